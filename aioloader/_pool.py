@@ -1,0 +1,381 @@
+"""The persistent worker pool, and the one place where executor failures are translated.
+
+Ownership: a :class:`WorkerPool` either *owns* its executor (it created it: a process
+pool, or the single thread of ``num_workers=0``) or *borrows* one the user passed in.
+An owned pool is created on first use, lives across epochs and iterators, is rebuilt
+after a worker dies, and is shut down by :meth:`WorkerPool.close` (or its finalizer).
+A borrowed executor is never shut down or rebuilt by aioloader.
+
+Why private attributes of ``ProcessPoolExecutor`` are read here: before Python 3.14 the
+public API offers no way to learn which processes a pool runs, to tell which one died,
+or to stop a worker stuck in a task. We read ``_processes`` (pid → Process) and kill
+processes ourselves, only on pools we created.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, field
+from multiprocessing.context import BaseContext
+from typing import Any, Literal
+
+import numpy as np
+
+from . import _worker
+from .errors import LoaderClosedError, PoolBrokenError
+
+__all__ = ["CrashInfo", "Generation", "WorkerPool", "default_mp_context"]
+
+PoolKind = Literal["process", "thread", "external"]
+
+
+def default_mp_context() -> BaseContext:
+    """forkserver where the platform has it, else spawn (never fork: see module doc)."""
+    methods = mp.get_all_start_methods()
+    ctx = mp.get_context("forkserver" if "forkserver" in methods else "spawn")
+    return ctx
+
+
+def _resolve_context(mp_context: str | BaseContext | None) -> BaseContext:
+    if mp_context is None:
+        return default_mp_context()
+    if isinstance(mp_context, str):
+        methods = mp.get_all_start_methods()
+        if mp_context not in methods:
+            raise ValueError(f"mp_context: unknown start method {mp_context!r}; this platform has {methods}")
+        return mp.get_context(mp_context)
+    if isinstance(mp_context, BaseContext):
+        return mp_context
+    raise TypeError(f"mp_context must be a start method name or a multiprocessing context, got {mp_context!r}")
+
+
+@dataclass
+class CrashInfo:
+    """What a broken generation left behind."""
+
+    culprits: dict[int, int | None]  # task_id -> exit code of the process that ran it
+    exitcodes: dict[int, int | None]  # pid -> exit code
+    known: bool  # False when the dead process could not be told apart from the others
+
+
+@dataclass
+class Generation:
+    """One incarnation of the executor. A crash ends a generation; the next one replaces it."""
+
+    number: int
+    executor: cf.Executor
+    processes: dict[int, Any] | None = None
+    table: np.ndarray | None = None
+    crash: CrashInfo | None = None
+    started: bool = False
+    owned: bool = True
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def running_tasks(self) -> dict[int, tuple[int, int]]:
+        """task_id -> (pid, start_ns) of the tasks the workers are computing now."""
+        out: dict[int, tuple[int, int]] = {}
+        if self.table is not None:
+            t = self.table.reshape(-1, 3).copy()
+            for pid, task_id, start in t.tolist():
+                if pid > 0 and start > 0 and task_id >= 0:
+                    out[task_id] = (pid, start)
+        return out
+
+
+def _is_broken(exc: BaseException) -> bool:
+    return isinstance(exc, BrokenProcessPool)
+
+
+class WorkerPool:
+    """A pool of workers that persists across epochs, iterators and loaders.
+
+    Pass one pool to several loaders (``DataLoader(..., pool=pool)`` or
+    ``StreamLoader(..., pool=pool)``) so that they share processes. The pool is created
+    lazily on first use. ``num_workers=0`` gives one background thread in this process.
+
+    Args:
+        num_workers: processes to run (default: ``os.cpu_count()``); ``0`` for a thread.
+        mp_context: start method name or context; default ``forkserver`` (else ``spawn``).
+        executor: use this ``concurrent.futures.Executor`` instead of creating one. It is
+            never shut down or rebuilt by aioloader.
+    """
+
+    def __init__(
+        self,
+        num_workers: int | None = None,
+        *,
+        mp_context: str | BaseContext | None = None,
+        executor: cf.Executor | None = None,
+    ) -> None:
+        if executor is not None and not isinstance(executor, cf.Executor):
+            raise TypeError(f"executor must be a concurrent.futures.Executor, got {executor!r}")
+        if num_workers is None:
+            num_workers = os.cpu_count() or 1
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+            raise ValueError(f"num_workers must be an int >= 0, got {num_workers!r}")
+        self.kind: PoolKind = (
+            "external" if executor is not None else "process" if num_workers > 0 else "thread"
+        )
+        self.num_workers = num_workers
+        self._context = _resolve_context(mp_context) if self.kind == "process" else None
+        self._external = executor
+        self._payloads: dict[str, bytes] = {}
+        self._lock = threading.RLock()
+        self._gen: Generation | None = None
+        self._gen_count = 0
+        self._closed = False
+        self.restarts = 0
+        self._finalizer = weakref.finalize(self, WorkerPool._shutdown_gen, self._holder())
+
+    # The finalizer must not reference self; it gets a mutable box holding the generation.
+    def _holder(self) -> list[Generation | None]:
+        self._box: list[Generation | None] = [None]
+        return self._box
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def owned(self) -> bool:
+        return self.kind != "external"
+
+    @property
+    def concurrency(self) -> int:
+        """How many tasks the pool runs at once (a guess for borrowed executors)."""
+        if self.kind == "process":
+            return self.num_workers
+        if self.kind == "thread":
+            return 1
+        n = getattr(self._external, "_max_workers", None)
+        return int(n) if isinstance(n, int) and n > 0 else os.cpu_count() or 1
+
+    @property
+    def start_method(self) -> str | None:
+        return self._context.get_start_method() if self._context is not None else None
+
+    # ------------------------------------------------------------------ payloads
+    def register(self, token: str, payload: bytes) -> None:
+        """Make a loader's payload known to every future worker of this pool."""
+        with self._lock:
+            self._payloads[token] = payload
+
+    def unregister(self, token: str) -> None:
+        with self._lock:
+            self._payloads.pop(token, None)
+        _worker.forget_context(token)
+
+    # ---------------------------------------------------------------- generations
+    def current(self) -> Generation:
+        """The live generation, created (not yet started) if there is none."""
+        with self._lock:
+            if self._closed:
+                raise LoaderClosedError("the worker pool is closed")
+            gen = self._gen
+            if gen is None:
+                gen = self._create()
+                self._gen = gen
+                self._box[0] = gen
+            return gen
+
+    def _create(self) -> Generation:
+        self._gen_count += 1
+        if self.kind == "external":
+            assert self._external is not None
+            return Generation(self._gen_count, self._external, started=True, owned=False)
+        if self.kind == "thread":
+            ex = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="aioloader-worker")
+            return Generation(self._gen_count, ex, started=True)
+        ctx = self._context
+        assert ctx is not None
+        if ctx.get_start_method() == "forkserver":
+            _preload_forkserver(ctx)
+        n = self.num_workers
+        table = ctx.RawArray("q", 3 * n)
+        lock = ctx.Lock()
+        counter = ctx.RawValue("i", 0)
+        pex = cf.ProcessPoolExecutor(
+            max_workers=n,
+            mp_context=ctx,
+            initializer=_worker.pool_initializer,
+            initargs=(dict(self._payloads), table, lock, counter, n),
+        )
+        view = np.frombuffer(table, dtype=np.int64)
+        return Generation(self._gen_count, pex, processes=pex._processes, table=view)  # type: ignore[attr-defined]
+
+    def start(self) -> Generation:
+        """Create the generation and start all its workers in parallel (blocking; call
+        from a thread). Workers that are still starting do not delay the first task: the
+        pool hands it to the first one ready."""
+        gen = self.current()
+        with gen.lock:
+            if not gen.started:
+                gen.started = True
+                if self.kind == "process":
+                    for _ in range(self.num_workers):
+                        gen.executor.submit(_worker.noop)
+        return gen
+
+    def submit(self, gen: Generation, fn: Callable[..., Any], *args: Any) -> cf.Future[Any]:
+        try:
+            return gen.executor.submit(fn, *args)
+        except RuntimeError as exc:
+            if self._closed:
+                raise LoaderClosedError("the worker pool is closed") from exc
+            if _is_broken(exc):
+                raise
+            if self.kind == "external":
+                raise PoolBrokenError(f"the user-supplied executor refused new work: {exc}") from exc
+            raise
+
+    def is_crash(self, exc: BaseException) -> bool:
+        """Does ``exc`` (raised by a task's future) mean a worker died?"""
+        return _is_broken(exc)
+
+    def recover(self, gen: Generation) -> CrashInfo:
+        """Called by every task that saw ``gen`` break; the first caller works out who
+        died and retires the generation, later callers get the same answer."""
+        with self._lock:
+            if gen.crash is not None:
+                return gen.crash
+            if self.kind == "external":
+                raise PoolBrokenError(
+                    "a worker of the user-supplied executor died and aioloader may not rebuild "
+                    "an executor it does not own; create a new executor and loader"
+                )
+            gen.crash = self._autopsy(gen)
+            if self._gen is gen:
+                self._gen = None
+                self._box[0] = None
+                self.restarts += 1
+        _retire(gen, grace=0.0)
+        return gen.crash
+
+    @staticmethod
+    def _autopsy(gen: Generation) -> CrashInfo:
+        procs = dict(gen.processes or {})
+        # The pool's manager thread terminates the survivors right after it notices the
+        # death; give the dead one a moment to be reaped so its exit code is readable.
+        deadline = time.monotonic() + 1.0
+        codes: dict[int, int | None] = {}
+        while True:
+            codes = {pid: p.exitcode for pid, p in procs.items()}
+            if any(c is not None for c in codes.values()) or time.monotonic() > deadline:
+                break
+            time.sleep(0.005)
+        dead = {pid for pid, c in codes.items() if c is not None and c != -signal.SIGTERM}
+        known = bool(dead)
+        if not known:
+            dead = {pid for pid, c in codes.items() if c is not None}
+        culprits: dict[int, int | None] = {}
+        if gen.table is not None:
+            for pid, task_id, _start in gen.table.reshape(-1, 3).tolist():
+                if pid in dead and task_id >= 0:
+                    culprits[task_id] = codes.get(pid)
+        return CrashInfo(culprits, codes, known and bool(culprits))
+
+    def kill_task(self, gen: Generation, task_id: int) -> bool:
+        """Kill the process running ``task_id`` (owned process pools only)."""
+        running = gen.running_tasks()
+        if task_id not in running:
+            return False
+        try:
+            os.kill(running[task_id][0], signal.SIGKILL)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def abandon(self, gen: Generation) -> None:
+        """Drop a thread generation whose thread is stuck (a timeout in thread mode)."""
+        with self._lock:
+            if self._gen is gen:
+                self._gen = None
+                self._box[0] = None
+                self.restarts += 1
+        gen.executor.shutdown(wait=False, cancel_futures=True)
+
+    def worker_pids(self) -> list[int]:
+        """Pids of the current generation's processes (empty for threads/borrowed)."""
+        gen = self._gen
+        if gen is None or gen.processes is None:
+            return []
+        return sorted(gen.processes)
+
+    def close(self) -> None:
+        """Shut down the executor if this pool owns it. Idempotent; never waits for a
+        running task longer than a short grace period (the worker is then killed)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._payloads.clear()
+        self._finalizer()
+
+    @staticmethod
+    def _shutdown_gen(box: list[Generation | None]) -> None:
+        gen = box[0]
+        box[0] = None
+        if gen is not None and gen.owned:
+            _retire(gen, grace=0.25)
+
+    def __enter__(self) -> WorkerPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"<aioloader.WorkerPool {self.kind} workers={self.num_workers} {state}>"
+
+
+def _retire(gen: Generation, grace: float) -> None:
+    """Shut an owned generation down without hanging on a stuck task."""
+    ex = gen.executor
+    if isinstance(ex, cf.ThreadPoolExecutor):
+        ex.shutdown(wait=False, cancel_futures=True)
+        deadline = time.monotonic() + max(grace, 0.0) + 5.0
+        for t in list(getattr(ex, "_threads", ())):
+            t.join(max(0.0, deadline - time.monotonic()))
+        return
+    procs = list((gen.processes or {}).values())
+    manager = getattr(ex, "_executor_manager_thread", None)
+    ex.shutdown(wait=False, cancel_futures=True)
+    deadline = time.monotonic() + grace
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.exitcode is None:
+            p.kill()
+    for p in procs:
+        p.join(5.0)
+    if manager is not None and manager is not threading.current_thread():
+        manager.join(10.0)
+
+
+_preload_lock = threading.Lock()
+
+
+def _preload_forkserver(ctx: BaseContext) -> None:
+    """Let forkserver children start with numpy and aioloader already imported.
+
+    Only takes effect if the interpreter's forkserver has not started yet, and only
+    adds to what is preloaded (``__main__`` stays, as multiprocessing does by default).
+    """
+    from multiprocessing import forkserver
+
+    with _preload_lock:
+        server = forkserver._forkserver  # type: ignore[attr-defined]
+        if getattr(server, "_forkserver_pid", None) is not None:
+            return
+        current = list(getattr(server, "_preload_modules", ["__main__"]))
+        if "aioloader._worker" not in current:
+            ctx.set_forkserver_preload([*current, "aioloader._worker"])  # type: ignore[attr-defined]

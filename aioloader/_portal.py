@@ -1,0 +1,97 @@
+"""Sync iteration over the async core: a private event loop in a background thread.
+
+``for batch in loader`` submits each ``__anext__`` to this loop and waits for it. The
+loop is uvloop's when uvloop is installed. Because the loop has a thread of its own,
+sync iteration works whether or not the calling thread already runs an event loop
+(Jupyter), and Ctrl-C in the calling thread interrupts the wait, not the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+__all__ = ["Portal", "new_event_loop"]
+
+T = TypeVar("T")
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on POSIX
+        return asyncio.new_event_loop()
+    loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+    return loop
+
+
+class Portal:
+    """An event loop running in its own daemon thread until :meth:`close`."""
+
+    def __init__(self, name: str = "aioloader-portal") -> None:
+        self.loop = new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        self._closed = False
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.call_soon(self._ready.set)
+        try:
+            self.loop.run_forever()
+        finally:
+            try:
+                self._drain()
+                self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+                self.loop.run_until_complete(self.loop.shutdown_default_executor())
+            finally:
+                self.loop.close()
+
+    def _drain(self) -> None:
+        tasks = [t for t in asyncio.all_tasks(self.loop) if not t.done()]
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            self.loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+
+    @property
+    def thread(self) -> threading.Thread:
+        return self._thread
+
+    def in_portal(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> cf.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run ``coro`` on the portal's loop and wait for its result.
+
+        If the wait is interrupted (Ctrl-C), the coroutine is cancelled before the
+        exception propagates.
+        """
+        fut = self.submit(coro)
+        try:
+            return fut.result(timeout)
+        except BaseException:
+            fut.cancel()
+            raise
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the loop (cancelling what still runs on it) and join the thread."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.in_portal():  # closing from a callback on the loop itself
+            self.loop.call_soon(self.loop.stop)
+            return
+        try:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        except RuntimeError:  # loop already closed
+            pass
+        self._thread.join(timeout)

@@ -1,0 +1,138 @@
+"""Always-on loader statistics: a few integer additions per batch, no locks on the hot path.
+
+Counters are touched by the event loop that runs an epoch; a snapshot may be taken from
+any thread at any time (it may be one batch stale, never torn into nonsense).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+__all__ = ["EpochStats", "LoaderStats", "Recorder"]
+
+
+@dataclass(frozen=True)
+class EpochStats:
+    """Per-epoch figures."""
+
+    epoch: int
+    """The epoch number."""
+    batches: int
+    """Batches delivered to the consumer in this epoch."""
+    stall_s: float
+    """Seconds the consumer waited for data in this epoch."""
+    first_batch_s: float | None
+    """Seconds from the start of iteration to the first batch, or None before it."""
+
+
+@dataclass(frozen=True)
+class LoaderStats:
+    """A snapshot of a loader's statistics (``loader.stats()``)."""
+
+    batches: int
+    """Batches delivered to the consumer, all epochs."""
+    samples: int
+    """Samples in those batches."""
+    stall_s: float
+    """Seconds the consumer spent waiting for a batch, all epochs."""
+    epochs: tuple[EpochStats, ...]
+    """Per-epoch figures, oldest first (the last 1,000 epochs)."""
+    latency_p50_s: float | None
+    """Median time from submitting a batch to delivering it (last 10,000 batches)."""
+    latency_p99_s: float | None
+    """99th percentile of the same."""
+    worker_busy: float | None
+    """Fraction of worker time spent building batches since the first submit."""
+    in_flight: int
+    """Batches submitted, running or finished but not yet taken, right now."""
+    retries: int
+    """Batches resubmitted after a worker died or needed the dataset."""
+    restarts: int
+    """Times the pool was rebuilt after a crash or a timeout."""
+    skipped: int
+    """Samples dropped by ``on_error="skip"``."""
+
+
+@dataclass
+class _Epoch:
+    epoch: int
+    started_ns: int
+    batches: int = 0
+    stall_ns: int = 0
+    first_ns: int | None = None
+
+
+@dataclass
+class Recorder:
+    """Mutable counters behind :class:`LoaderStats`."""
+
+    batches: int = 0
+    samples: int = 0
+    stall_ns: int = 0
+    retries: int = 0
+    skipped: int = 0
+    in_flight: int = 0
+    busy_ns: int = 0
+    first_submit_ns: int | None = None
+    workers_seen: set[int] = field(default_factory=set)
+    latencies: deque[int] = field(default_factory=lambda: deque(maxlen=10_000))
+    epochs: deque[_Epoch] = field(default_factory=lambda: deque(maxlen=1_000))
+
+    def epoch_started(self, epoch: int) -> _Epoch:
+        rec = _Epoch(epoch, time.monotonic_ns())
+        self.epochs.append(rec)
+        return rec
+
+    def submitted(self, now: int) -> None:
+        self.in_flight += 1
+        if self.first_submit_ns is None:
+            self.first_submit_ns = now
+
+    def finished(self, pid: int, start_ns: int, end_ns: int, submit_ns: int, now: int) -> None:
+        self.busy_ns += end_ns - start_ns
+        self.workers_seen.add(pid)
+        self.latencies.append(now - submit_ns)
+
+    def released(self) -> None:
+        self.in_flight -= 1
+
+    def delivered(self, ep: _Epoch, n_samples: int, waited_ns: int, now: int) -> None:
+        self.batches += 1
+        self.samples += n_samples
+        self.stall_ns += waited_ns
+        ep.batches += 1
+        ep.stall_ns += waited_ns
+        if ep.first_ns is None:
+            ep.first_ns = now - ep.started_ns
+
+    def snapshot(self, restarts: int, concurrency: int) -> LoaderStats:
+        lat = np.fromiter(list(self.latencies), dtype=np.int64)
+        p50 = p99 = None
+        if len(lat):
+            p50 = float(np.percentile(lat, 50)) / 1e9
+            p99 = float(np.percentile(lat, 99)) / 1e9
+        busy = None
+        if self.first_submit_ns is not None:
+            span = (time.monotonic_ns() - self.first_submit_ns) * max(concurrency, 1)
+            busy = min(1.0, self.busy_ns / span) if span > 0 else None
+        epochs = tuple(
+            EpochStats(e.epoch, e.batches, e.stall_ns / 1e9, None if e.first_ns is None else e.first_ns / 1e9)
+            for e in list(self.epochs)
+        )
+        return LoaderStats(
+            batches=self.batches,
+            samples=self.samples,
+            stall_s=self.stall_ns / 1e9,
+            epochs=epochs,
+            latency_p50_s=p50,
+            latency_p99_s=p99,
+            worker_busy=busy,
+            in_flight=self.in_flight,
+            retries=self.retries,
+            restarts=restarts,
+            skipped=self.skipped,
+        )

@@ -1,0 +1,299 @@
+"""What runs inside a worker: the dataset cache, per-sample seeding, fetch and collate.
+
+A loader's dataset, collate function and options travel to a worker once, as a pickled
+*payload* keyed by a token. An owned pool installs the payloads of its loaders when each
+worker starts (the pool's initializer); any other executor learns them lazily: a task
+whose token the worker has not seen comes back as :data:`NEED_PAYLOAD`, and the
+scheduler resubmits it once with the payload attached. Either way a batch task carries
+only its indices and a little metadata.
+
+Crash attribution and timeouts need to know which worker runs which task and since
+when. Each worker of an owned pool claims a slot in a small shared int64 table and
+writes ``(pid, task_id, start_ns)`` there before touching the dataset.
+
+This module never imports asyncio.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import random
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, NamedTuple
+
+import numpy as np
+
+from . import _seeding
+from .errors import CollateError, RemoteError
+
+__all__ = [
+    "NEED_PAYLOAD",
+    "BatchResult",
+    "BatchTask",
+    "WorkerContext",
+    "install_context",
+    "pool_initializer",
+    "run_batch",
+]
+
+NEED_PAYLOAD = "__aioloader_need_payload__"
+_MAX_CONTEXTS = 16  # loaders remembered per worker process (LRU) when a pool is shared
+
+
+class BatchTask(NamedTuple):
+    """One unit of work. Small by design: it is pickled for every batch."""
+
+    token: str
+    task_id: int
+    epoch: int
+    position: int
+    indices: Any  # a 1-d integer numpy array or a list of ints
+    seed: int
+    payload: bytes | None = None
+
+
+class BatchResult(NamedTuple):
+    data: Any
+    skipped: tuple[tuple[int, str], ...]
+    pid: int
+    start_ns: int
+    end_ns: int
+
+
+@dataclass
+class WorkerContext:
+    """Everything a worker needs to build a loader's batches."""
+
+    dataset: Any
+    collate_fn: Callable[[list[Any]], Any]
+    worker_init_fn: Callable[[int], Any] | None = None
+    on_error: Literal["raise", "skip"] = "raise"
+    seed_samples: bool = True
+    encode: Callable[[Any], Any] | None = None
+    fetch_batch: bool = False  # call dataset.__getitems__(indices) when the dataset has it
+    # Set in the worker, never pickled with the payload:
+    remote: bool = field(default=False, compare=False)
+    init_error: BaseException | None = field(default=None, compare=False)
+    init_done: bool = field(default=False, compare=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["remote"] = True
+        state["init_error"] = None
+        state["init_done"] = False
+        return state
+
+
+_contexts: OrderedDict[str, WorkerContext] = OrderedDict()
+_contexts_lock = threading.Lock()
+_worker_id = 0
+
+# Side channel for crash attribution and timeouts (owned process pools only).
+_slot_table: Any = None  # numpy int64 view over a shared RawArray, 3 fields per slot
+_slot: int = -1
+# Thread mode: the scheduler lives in this same process and reads these directly.
+thread_starts: dict[int, int] = {}
+
+
+def _add_note(exc: BaseException, note: str) -> None:
+    add = getattr(exc, "add_note", None)
+    if add is not None:
+        add(note)
+    else:  # Python 3.10
+        notes = getattr(exc, "__notes__", None)
+        if notes is None:
+            try:
+                exc.__notes__ = [note]  # type: ignore[attr-defined]
+            except AttributeError:
+                pass
+        else:
+            notes.append(note)
+
+
+def install_context(token: str, ctx: WorkerContext) -> None:
+    """Register a loader's context in this process (thread mode and initializers)."""
+    with _contexts_lock:
+        _contexts[token] = ctx
+        _contexts.move_to_end(token)
+        while len(_contexts) > _MAX_CONTEXTS:
+            _contexts.popitem(last=False)
+
+
+def forget_context(token: str) -> None:
+    with _contexts_lock:
+        _contexts.pop(token, None)
+
+
+def _load_payload(token: str, payload: bytes) -> WorkerContext:
+    ctx: WorkerContext = pickle.loads(payload)
+    install_context(token, ctx)
+    return ctx
+
+
+def _run_init(ctx: WorkerContext) -> None:
+    ctx.init_done = True
+    if ctx.worker_init_fn is None:
+        return
+    try:
+        ctx.worker_init_fn(_worker_id)
+    except Exception as exc:  # surfaced with the first batch this worker builds
+        _add_note(exc, f"aioloader: raised by worker_init_fn({_worker_id}) in worker pid {os.getpid()}")
+        ctx.init_error = exc
+
+
+def pool_initializer(
+    payloads: dict[str, bytes], table: Any, lock: Any, counter: Any, max_slots: int
+) -> None:
+    """Initializer of an owned process pool: one call per worker process."""
+    global _slot_table, _slot, _worker_id
+    # Ctrl-C reaches the whole process group; only the consumer should react to it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if table is not None:
+        with lock:
+            _slot = counter.value
+            counter.value += 1
+        _worker_id = _slot
+        if _slot < max_slots:
+            _slot_table = np.frombuffer(table, dtype=np.int64)
+            _slot_table[_slot * 3] = os.getpid()
+            _slot_table[_slot * 3 + 1] = -1
+        else:  # more processes than slots (never with a fixed-size pool): run untracked
+            _slot = -1
+    for token, payload in payloads.items():
+        _run_init(_load_payload(token, payload))
+
+
+def _portable(exc: BaseException, ctx: WorkerContext) -> BaseException:
+    """Make sure ``exc`` survives the trip to the consumer's process."""
+    if not ctx.remote:
+        return exc
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        name = f"{type(exc).__module__}.{type(exc).__qualname__}"
+        remote = RemoteError(
+            f"{name}: {exc} (the original exception could not be pickled; its traceback "
+            "is in .remote_traceback)",
+            type_name=name,
+            original_message=str(exc),
+            remote_traceback=tb,
+        )
+        for note in getattr(exc, "__notes__", ()):
+            _add_note(remote, note)
+        return remote
+
+
+class _GlobalRngGuard:
+    """Thread mode: keep the consumer's global random state as it was."""
+
+    def __enter__(self) -> None:
+        self.py = random.getstate()
+        self.np = np.random.get_state()
+        torch = sys.modules.get("torch")
+        self.torch = torch.random.get_rng_state() if torch is not None else None
+
+    def __exit__(self, *exc: object) -> None:
+        random.setstate(self.py)
+        np.random.set_state(self.np)
+        torch = sys.modules.get("torch")
+        if torch is not None and self.torch is not None:
+            torch.random.set_rng_state(self.torch)
+
+
+def _mark_start(task_id: int, now: int) -> None:
+    if _slot_table is not None and _slot >= 0:
+        _slot_table[_slot * 3 + 2] = now
+        _slot_table[_slot * 3 + 1] = task_id
+    else:
+        thread_starts[task_id] = now
+
+
+def _mark_end(task_id: int) -> None:
+    if _slot_table is not None and _slot >= 0:
+        _slot_table[_slot * 3 + 1] = -1
+    else:
+        thread_starts.pop(task_id, None)
+
+
+def run_batch(task: BatchTask) -> BatchResult | str:
+    """Fetch and collate one batch. The function every executor runs."""
+    ctx = _contexts.get(task.token)
+    if ctx is None:
+        if task.payload is None:
+            return NEED_PAYLOAD
+        ctx = _load_payload(task.token, task.payload)
+    if not ctx.init_done:
+        _run_init(ctx)
+    if ctx.init_error is not None:
+        raise _portable(ctx.init_error, ctx)
+    start = time.monotonic_ns()
+    _mark_start(task.task_id, start)
+    try:
+        if ctx.remote:
+            data, skipped = _build(ctx, task)
+        else:
+            with _GlobalRngGuard():
+                data, skipped = _build(ctx, task)
+    finally:
+        _mark_end(task.task_id)
+    return BatchResult(data, skipped, os.getpid(), start, time.monotonic_ns())
+
+
+def _where(task: BatchTask) -> str:
+    return f"batch {task.position} of epoch {task.epoch}, worker pid {os.getpid()}"
+
+
+def _build(ctx: WorkerContext, task: BatchTask) -> tuple[Any, tuple[tuple[int, str], ...]]:
+    indices: Sequence[int] = (
+        task.indices.tolist() if isinstance(task.indices, np.ndarray) else task.indices
+    )
+    dataset = ctx.dataset
+    samples: list[Any] = []
+    kept: list[int] = []
+    skipped: list[tuple[int, str]] = []
+    try:
+        for i in indices:
+            if ctx.seed_samples:
+                _seeding.seed_sample(task.seed, task.epoch, i)
+            try:
+                samples.append(dataset[i])
+            except Exception as exc:
+                if ctx.on_error == "skip":
+                    skipped.append((i, f"{type(exc).__name__}: {exc}"))
+                    continue
+                _add_note(exc, f"aioloader: raised by dataset[{i}] (sample index {i}) in {_where(task)}")
+                raise _portable(exc, ctx)  # noqa: B904 (re-raises exc itself)
+            kept.append(i)
+    finally:
+        _seeding.clear_sample()
+    if not samples:
+        return None, tuple(skipped)
+    try:
+        batch = ctx.collate_fn(samples)
+        if ctx.encode is not None:
+            batch = ctx.encode(batch)
+    except Exception as exc:
+        if isinstance(exc, CollateError):
+            positions = getattr(exc, "positions", [])
+            exc.indices = [kept[p] for p in positions if p < len(kept)]  # type: ignore[attr-defined]
+            named = f"; the mismatching samples have indices {exc.indices}"  # type: ignore[attr-defined]
+        else:
+            named = ""
+        _add_note(exc, f"aioloader: raised by collate_fn in {_where(task)}, sample indices {kept}{named}")
+        raise _portable(exc, ctx)  # noqa: B904 (re-raises exc itself)
+    return batch, tuple(skipped)
+
+
+def noop() -> int:
+    """Submitted once per worker to start the pool's processes in parallel."""
+    return os.getpid()

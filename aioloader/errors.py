@@ -1,0 +1,132 @@
+"""Every exception aioloader raises on its own account.
+
+Exceptions raised by *your* code (a dataset's ``__getitem__``, a ``collate_fn``, a
+``worker_init_fn``, a stream's ``fn``) are not wrapped: they reach you with their own
+type and message, the worker's traceback as ``__cause__`` and a note naming the epoch,
+the batch and the sample index. Only an exception that cannot travel between processes
+(it does not pickle) is replaced, by :class:`RemoteError`.
+
+The tree::
+
+    AioLoaderError
+    ├── LoaderClosedError        (also RuntimeError)  iterating or using a closed loader/pool
+    ├── RemoteError              (also RuntimeError)  user code raised an unpicklable exception
+    ├── WorkerCrashedError       (also RuntimeError)  a batch kept killing its worker
+    ├── PoolBrokenError          (also RuntimeError)  an executor we may not rebuild broke
+    ├── LoaderTimeout            (also TimeoutError)  a batch ran longer than ``timeout``
+    ├── TooManySkippedError      (also RuntimeError)  ``on_error="skip"`` passed ``max_skipped``
+    ├── CollateError             (also ValueError)    samples that do not stack together
+    ├── DatasetPickleError       (also TypeError)     the dataset (or collate_fn...) won't pickle
+    ├── StateDictError           (also ValueError)    a state dict from an incompatible loader
+    └── RecordIOError            (also ValueError)    a malformed .rec/.idx file
+
+Every class pickles and unpickles with its message and attributes intact, so an error
+raised inside a worker process arrives whole. Construction follows one rule: the first
+positional argument is the message, everything else is keyword-only and stored as an
+attribute of the same name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "AioLoaderError",
+    "CollateError",
+    "DatasetPickleError",
+    "LoaderClosedError",
+    "LoaderTimeout",
+    "PoolBrokenError",
+    "RecordIOError",
+    "RemoteError",
+    "StateDictError",
+    "TooManySkippedError",
+    "WorkerCrashedError",
+]
+
+
+class AioLoaderError(Exception):
+    """Base class of every exception aioloader raises itself."""
+
+    def __init__(self, message: str = "", **attrs: Any) -> None:
+        super().__init__(message)
+        for name, value in attrs.items():
+            setattr(self, name, value)
+
+    # BaseException.__reduce__ gives (type, args, __dict__): args is (message,) and the
+    # keyword attributes live in __dict__, so the default pickling already round-trips.
+
+    @property
+    def message(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class LoaderClosedError(AioLoaderError, RuntimeError):
+    """The loader, stream or pool was closed and then used (iterated, submitted to)."""
+
+
+class RemoteError(AioLoaderError, RuntimeError):
+    """User code in a worker raised an exception that cannot be pickled.
+
+    Attributes: ``type_name`` (qualified name of the original type), ``original_message``
+    and ``remote_traceback`` (the worker's formatted traceback).
+    """
+
+    type_name: str
+    original_message: str
+    remote_traceback: str
+
+
+class WorkerCrashedError(AioLoaderError, RuntimeError):
+    """A batch killed its worker process more than ``max_retries`` times.
+
+    Attributes: ``indices`` (the batch's sample indices), ``exitcode`` (the dead
+    process's exit code, negative for a signal, or ``None`` when unknown) and ``attempts``.
+    """
+
+    indices: list[int]
+    exitcode: int | None
+    attempts: int
+
+
+class PoolBrokenError(AioLoaderError, RuntimeError):
+    """A worker died in an executor aioloader does not own, so it cannot rebuild it."""
+
+
+class LoaderTimeout(AioLoaderError, TimeoutError):
+    """A batch was not delivered within ``timeout`` seconds of a worker starting it.
+
+    The stuck worker was killed and the pool rebuilt; the loader stays usable.
+    Attributes: ``indices``, ``timeout``.
+    """
+
+    indices: list[int]
+    timeout: float
+
+
+class TooManySkippedError(AioLoaderError, RuntimeError):
+    """With ``on_error="skip"``, more than ``max_skipped`` samples failed in one epoch.
+
+    Attribute ``skipped``: list of ``(index, "Type: message")`` pairs, in order.
+    """
+
+    skipped: list[tuple[int, str]]
+
+
+class CollateError(AioLoaderError, ValueError):
+    """Samples of one batch could not be combined (different shapes, types or keys).
+
+    Attribute ``indices``: the sample indices of the batch, when known.
+    """
+
+
+class DatasetPickleError(AioLoaderError, TypeError):
+    """An object that must reach the workers (dataset, collate_fn, ...) cannot be pickled."""
+
+
+class StateDictError(AioLoaderError, ValueError):
+    """``load_state_dict`` got a state from an incompatible loader (names the mismatch)."""
+
+
+class RecordIOError(AioLoaderError, ValueError):
+    """A RecordIO file is malformed. Attributes: ``path``, ``key``, ``offset`` (when known)."""
