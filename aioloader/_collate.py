@@ -84,7 +84,7 @@ def _collate(samples: Sequence[Any], path: str) -> Any:
                 )
         out = {k: _collate([s[k] for s in samples], f"{path}[{k!r}]") for k in keys}
         try:
-            return type(elem)(out)  # keeps OrderedDict and friends
+            return type(elem)(out)  # type: ignore[call-arg]  # keeps OrderedDict and friends
         except TypeError:
             return out
     if isinstance(elem, (tuple, list)):

@@ -54,7 +54,9 @@ def _resolve_context(mp_context: str | BaseContext | None) -> BaseContext:
         return mp.get_context(mp_context)
     if isinstance(mp_context, BaseContext):
         return mp_context
-    raise TypeError(f"mp_context must be a start method name or a multiprocessing context, got {mp_context!r}")
+    raise TypeError(
+        f"mp_context must be a start method name or a multiprocessing context, got {mp_context!r}"
+    )
 
 
 @dataclass
@@ -72,7 +74,7 @@ class Generation:
 
     number: int
     executor: cf.Executor
-    processes: dict[int, Any] | None = None
+    processes: Any = None  # the executor's own pid -> Process mapping
     table: np.ndarray | None = None
     crash: CrashInfo | None = None
     started: bool = False
@@ -209,7 +211,7 @@ class WorkerPool:
             initargs=(dict(self._payloads), table, lock, counter, n),
         )
         view = np.frombuffer(table, dtype=np.int64)
-        return Generation(self._gen_count, pex, processes=pex._processes, table=view)  # type: ignore[attr-defined]
+        return Generation(self._gen_count, pex, processes=pex._processes, table=view)
 
     def start(self) -> Generation:
         """Create the generation and start all its workers in parallel (blocking; call
@@ -373,9 +375,9 @@ def _preload_forkserver(ctx: BaseContext) -> None:
     from multiprocessing import forkserver
 
     with _preload_lock:
-        server = forkserver._forkserver  # type: ignore[attr-defined]
+        server = forkserver._forkserver
         if getattr(server, "_forkserver_pid", None) is not None:
             return
         current = list(getattr(server, "_preload_modules", ["__main__"]))
         if "aioloader._worker" not in current:
-            ctx.set_forkserver_preload([*current, "aioloader._worker"])  # type: ignore[attr-defined]
+            ctx.set_forkserver_preload([*current, "aioloader._worker"])

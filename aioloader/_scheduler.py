@@ -27,7 +27,7 @@ from ._pool import Generation, WorkerPool
 from ._stats import Recorder, _Epoch
 from .errors import LoaderClosedError, LoaderTimeout, TooManySkippedError, WorkerCrashedError
 
-__all__ = ["EpochRun", "RunConfig"]
+__all__ = ["Dispatcher", "EpochRun", "RunConfig"]
 
 _task_ids = itertools.count(1)
 
@@ -79,19 +79,15 @@ class EpochRun:
         self.closed = False
         self.finished = False
         self.submitted_all = False
-        self._running: dict[int, tuple[Generation, asyncio.Future[Any], int]] = {}
-        self._timed_out: set[int] = set()
+        self.dispatcher = Dispatcher(cfg.pool, cfg.recorder, cfg.timeout, cfg.max_retries, cfg.is_closed)
         self._epoch_rec: _Epoch | None = None
         self._producer: asyncio.Task[None] | None = None
-        self._watchdog: asyncio.Task[None] | None = None
         self.on_submitted_all: Callable[[EpochRun], None] | None = None
 
     # ----------------------------------------------------------------- lifecycle
     def start(self) -> None:
         if self._producer is None:
             self._producer = self.loop.create_task(self._produce())
-            if self.cfg.timeout is not None:
-                self._watchdog = self.loop.create_task(self._watch(self.cfg.timeout))
 
     def begin_consuming(self) -> None:
         """Mark the moment the consumer started this epoch (for stall statistics)."""
@@ -104,9 +100,9 @@ class EpochRun:
             return
         self.closed = True
         pending: list[asyncio.Task[Any]] = [t for t in self.tasks if not t.done()]
-        for t in (self._producer, self._watchdog):
-            if t is not None and not t.done():
-                pending.append(t)
+        if self._producer is not None and not self._producer.done():
+            pending.append(self._producer)
+        pending.extend(self.dispatcher.stop())
         for t in pending:
             t.cancel()
         if pending:
@@ -141,103 +137,22 @@ class EpochRun:
     # -------------------------------------------------------------------- fetch
     async def _fetch(self, pos: int, indices: Any) -> tuple[int, _worker.BatchResult]:
         cfg = self.cfg
-        pool = cfg.pool
-        attempts = 0
-        with_payload = False
-        while True:
-            if cfg.is_closed():
-                raise LoaderClosedError("the loader was closed while this batch was pending")
-            gen = pool.current()
-            if not gen.started:
-                gen = await self.loop.run_in_executor(None, pool.start)
-            task = _worker.BatchTask(
+
+        def make_task(task_id: int, with_payload: bool) -> _worker.BatchTask:
+            return _worker.BatchTask(
                 cfg.token,
-                next(_task_ids),
+                task_id,
                 self.epoch,
                 pos,
                 indices,
                 cfg.seed,
                 cfg.payload() if with_payload else None,
             )
-            submit_ns = time.monotonic_ns()
-            try:
-                cfut = pool.submit(gen, _worker.run_batch, task)
-                fut = asyncio.wrap_future(cfut, loop=self.loop)
-                self._running[task.task_id] = (gen, fut, submit_ns)
-                try:
-                    res = await fut
-                finally:
-                    self._running.pop(task.task_id, None)
-            except asyncio.CancelledError:
-                if self.closed or cfg.is_closed():
-                    raise
-                if task.task_id in self._timed_out:
-                    raise self._timeout_error(indices) from None
-                continue  # an abandoned thread generation cancelled it: run it again
-            except Exception as exc:
-                if cfg.is_closed():
-                    raise LoaderClosedError("the loader was closed while this batch was pending") from exc
-                if not pool.is_crash(exc):
-                    raise
-                info = await self.loop.run_in_executor(None, pool.recover, gen)
-                if task.task_id in self._timed_out:
-                    raise self._timeout_error(indices) from None
-                if not info.known or task.task_id in info.culprits:
-                    attempts += 1
-                    if attempts > cfg.max_retries:
-                        code = info.culprits.get(task.task_id)
-                        raise WorkerCrashedError(
-                            f"batch {pos} of epoch {self.epoch} (sample indices {_short(indices)}) "
-                            f"killed its worker {attempts} times (exit code {_describe_code(code)}); "
-                            f"max_retries={cfg.max_retries}",
-                            indices=_as_list(indices),
-                            exitcode=code,
-                            attempts=attempts,
-                        ) from exc
-                cfg.recorder.retries += 1
-                continue
-            if isinstance(res, str) and res == _worker.NEED_PAYLOAD:
-                with_payload = True
-                cfg.recorder.retries += 1
-                continue
-            cfg.recorder.finished(res.pid, res.start_ns, res.end_ns, submit_ns, time.monotonic_ns())
-            return pos, res
 
-    def _timeout_error(self, indices: Any) -> LoaderTimeout:
-        t = self.cfg.timeout
-        return LoaderTimeout(
-            f"a batch of epoch {self.epoch} (sample indices {_short(indices)}) was not delivered "
-            f"within timeout={t} s of a worker starting it; the worker was stopped",
-            indices=_as_list(indices),
-            timeout=t,
+        res = await self.dispatcher.run(
+            _worker.run_batch, make_task, indices, f"batch {pos} of epoch {self.epoch}"
         )
-
-    # ----------------------------------------------------------------- watchdog
-    async def _watch(self, timeout: float) -> None:
-        pool = self.cfg.pool
-        period = min(0.05, timeout / 4)
-        limit = int(timeout * 1e9)
-        while True:
-            await asyncio.sleep(period)
-            now = time.monotonic_ns()
-            for task_id, (gen, fut, submit_ns) in list(self._running.items()):
-                if task_id in self._timed_out:
-                    continue
-                if pool.kind == "process":
-                    started = gen.running_tasks().get(task_id, (0, 0))[1]
-                elif pool.kind == "thread":
-                    started = _worker.thread_starts.get(task_id, 0)
-                else:
-                    started = submit_ns
-                if started and now - started > limit:
-                    self._timed_out.add(task_id)
-                    if pool.kind == "process":
-                        if not await self.loop.run_in_executor(None, pool.kill_task, gen, task_id):
-                            fut.cancel()
-                    else:
-                        if pool.kind == "thread":
-                            pool.abandon(gen)
-                        fut.cancel()
+        return pos, res
 
     # ----------------------------------------------------------------- consumer
     async def next_batch(self) -> Any:
@@ -302,6 +217,146 @@ class EpochRun:
             return
         with contextlib.suppress(Exception):
             exc.add_note(f"aioloader: raised while loading epoch {self.epoch}")
+
+
+class Dispatcher:
+    """Runs tasks on a pool until they succeed, fail in user code, or exhaust retries.
+
+    Shared by epoch runs and streams. Owns the timeout watchdog of the tasks it runs.
+    A task object must have a ``task_id`` attribute; ``make_task(task_id, with_payload)``
+    builds a fresh one for every (re)submission.
+    """
+
+    def __init__(
+        self,
+        pool: WorkerPool,
+        recorder: Recorder,
+        timeout: float | None,
+        max_retries: int,
+        is_closed: Callable[[], bool],
+    ) -> None:
+        self.pool = pool
+        self.recorder = recorder
+        self.timeout = timeout
+        self.max_retries = max_retries
+        self.is_closed = is_closed
+        self.stopping = False
+        self._running: dict[int, tuple[Generation, asyncio.Future[Any], int]] = {}
+        self._timed_out: set[int] = set()
+        self._watchdog: asyncio.Task[None] | None = None
+
+    def stop(self) -> list[asyncio.Task[None]]:
+        """Mark the dispatcher as stopping; returns the watchdog task to cancel and await."""
+        self.stopping = True
+        w = self._watchdog
+        self._watchdog = None
+        return [w] if w is not None and not w.done() else []
+
+    async def run(
+        self,
+        fn: Callable[[Any], Any],
+        make_task: Callable[[int, bool], Any],
+        indices: Any,
+        label: str,
+    ) -> Any:
+        """Submit ``fn(make_task(task_id, with_payload))`` and return its result.
+
+        ``label`` names the work in error messages ("batch 3 of epoch 0").
+        """
+        loop = asyncio.get_running_loop()
+        pool = self.pool
+        if self.timeout is not None and self._watchdog is None and not self.stopping:
+            self._watchdog = loop.create_task(self._watch(self.timeout))
+        attempts = 0
+        with_payload = False
+        while True:
+            if self.is_closed():
+                raise LoaderClosedError("the loader was closed while this batch was pending")
+            gen = pool.current()
+            if not gen.started:
+                gen = await loop.run_in_executor(None, pool.start)
+            task = make_task(next(_task_ids), with_payload)
+            task_id = task.task_id
+            submit_ns = time.monotonic_ns()
+            try:
+                cfut = pool.submit(gen, fn, task)
+                fut = asyncio.wrap_future(cfut, loop=loop)
+                self._running[task_id] = (gen, fut, submit_ns)
+                try:
+                    res = await fut
+                finally:
+                    self._running.pop(task_id, None)
+            except asyncio.CancelledError:
+                if self.stopping or self.is_closed():
+                    raise
+                if task_id in self._timed_out:
+                    raise self._timeout_error(label, indices) from None
+                continue  # an abandoned thread generation cancelled it: run it again
+            except Exception as exc:
+                if self.is_closed():
+                    raise LoaderClosedError("the loader was closed while this batch was pending") from exc
+                if not pool.is_crash(exc):
+                    raise
+                info = await loop.run_in_executor(None, pool.recover, gen)
+                if task_id in self._timed_out:
+                    raise self._timeout_error(label, indices) from None
+                if not info.known or task_id in info.culprits:
+                    attempts += 1
+                    if attempts > self.max_retries:
+                        code = info.culprits.get(task_id)
+                        raise WorkerCrashedError(
+                            f"{label} (sample indices {_short(indices)}) killed its worker "
+                            f"{attempts} times (exit code {_describe_code(code)}); "
+                            f"max_retries={self.max_retries}",
+                            indices=_as_list(indices),
+                            exitcode=code,
+                            attempts=attempts,
+                        ) from exc
+                self.recorder.retries += 1
+                continue
+            if isinstance(res, str) and res == _worker.NEED_PAYLOAD:
+                with_payload = True
+                self.recorder.retries += 1
+                continue
+            self.recorder.finished(res.pid, res.start_ns, res.end_ns, submit_ns, time.monotonic_ns())
+            return res
+
+    def _timeout_error(self, label: str, indices: Any) -> LoaderTimeout:
+        t = self.timeout
+        return LoaderTimeout(
+            f"{label} (sample indices {_short(indices)}) was not delivered within timeout={t} s "
+            "of a worker starting it; the worker was stopped",
+            indices=_as_list(indices),
+            timeout=t,
+        )
+
+    async def _watch(self, timeout: float) -> None:
+        pool = self.pool
+        loop = asyncio.get_running_loop()
+        period = min(0.05, timeout / 4)
+        limit = int(timeout * 1e9)
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic_ns()
+            for task_id, (gen, fut, submit_ns) in list(self._running.items()):
+                if task_id in self._timed_out:
+                    continue
+                if pool.kind == "process":
+                    started = gen.running_tasks().get(task_id, (0, 0))[1]
+                elif pool.kind == "thread":
+                    started = _worker.thread_starts.get(task_id, 0)
+                else:
+                    started = submit_ns
+                if not started or now - started <= limit:
+                    continue
+                self._timed_out.add(task_id)
+                if pool.kind == "process":
+                    if not await loop.run_in_executor(None, pool.kill_task, gen, task_id):
+                        fut.cancel()
+                else:
+                    if pool.kind == "thread":
+                        pool.abandon(gen)
+                    fut.cancel()
 
 
 def _as_list(indices: Any) -> list[int]:

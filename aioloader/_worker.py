@@ -111,7 +111,7 @@ def _add_note(exc: BaseException, note: str) -> None:
         notes = getattr(exc, "__notes__", None)
         if notes is None:
             try:
-                exc.__notes__ = [note]  # type: ignore[attr-defined]
+                exc.__notes__ = [note]
             except AttributeError:
                 pass
         else:
@@ -149,9 +149,7 @@ def _run_init(ctx: WorkerContext) -> None:
         ctx.init_error = exc
 
 
-def pool_initializer(
-    payloads: dict[str, bytes], table: Any, lock: Any, counter: Any, max_slots: int
-) -> None:
+def pool_initializer(payloads: dict[str, bytes], table: Any, lock: Any, counter: Any, max_slots: int) -> None:
     """Initializer of an owned process pool: one call per worker process."""
     global _slot_table, _slot, _worker_id
     # Ctrl-C reaches the whole process group; only the consumer should react to it.
@@ -254,9 +252,7 @@ def _where(task: BatchTask) -> str:
 
 
 def _build(ctx: WorkerContext, task: BatchTask) -> tuple[Any, tuple[tuple[int, str], ...]]:
-    indices: Sequence[int] = (
-        task.indices.tolist() if isinstance(task.indices, np.ndarray) else task.indices
-    )
+    indices: Sequence[int] = task.indices.tolist() if isinstance(task.indices, np.ndarray) else task.indices
     dataset = ctx.dataset
     samples: list[Any] = []
     kept: list[int] = []

@@ -178,7 +178,9 @@ class DataLoader:
             if conflicts:
                 raise ValueError(f"batch_sampler is mutually exclusive with {', '.join(conflicts)}")
             if not isinstance(batch_sampler, Iterable):
-                raise TypeError(f"batch_sampler must be a re-iterable of index sequences, got {batch_sampler!r}")
+                raise TypeError(
+                    f"batch_sampler must be a re-iterable of index sequences, got {batch_sampler!r}"
+                )
         if sampler is not None:
             if shuffle:
                 raise ValueError("sampler is mutually exclusive with shuffle=True")
@@ -217,8 +219,10 @@ class DataLoader:
         if sum(x is not None for x in (pool, executor)) > 1:
             raise ValueError("pass at most one of pool= and executor=")
         if (pool is not None or executor is not None) and (num_workers or mp_context is not None):
-            raise ValueError("num_workers and mp_context configure the loader's own pool; "
-                             "they conflict with pool= or executor=")
+            raise ValueError(
+                "num_workers and mp_context configure the loader's own pool; "
+                "they conflict with pool= or executor="
+            )
 
         self.dataset = dataset
         self.batch_size = batch_size
@@ -474,7 +478,12 @@ class DataLoader:
             self._spec = None
             if spec is not None:
                 run, plan = spec
-                if run.loop is loop and not run.closed and self._resume is None and run.epoch == self._next_epoch:
+                if (
+                    run.loop is loop
+                    and not run.closed
+                    and self._resume is None
+                    and run.epoch == self._next_epoch
+                ):
                     self._next_epoch += 1
                     self._carry = plan.carry_out
                     self._latest = _RunMeta(run, plan, set(), None)
@@ -486,7 +495,7 @@ class DataLoader:
             if resume is not None:
                 epoch, carry, done = resume.epoch, resume.carry, resume.done
                 if resume.sampler_state is not None:
-                    getattr(self._planner.custom, "load_state_dict")(resume.sampler_state)
+                    self._planner.custom.load_state_dict(resume.sampler_state)
             else:
                 epoch, carry, done = self._next_epoch, self._carry, set()
             sampler_state = self._sampler_state()
@@ -624,9 +633,19 @@ class DataLoader:
                 epoch, done = meta.run.epoch, meta.done()
                 carry, sampler_state = meta.plan.carry_in, meta.sampler_state
                 if len(done) >= len(meta.plan):
-                    epoch, done, carry, sampler_state = epoch + 1, set(), meta.plan.carry_out, self._sampler_state()
+                    epoch, done, carry, sampler_state = (
+                        epoch + 1,
+                        set(),
+                        meta.plan.carry_out,
+                        self._sampler_state(),
+                    )
             else:
-                epoch, done, carry, sampler_state = self._next_epoch, set(), self._carry, self._sampler_state()
+                epoch, done, carry, sampler_state = (
+                    self._next_epoch,
+                    set(),
+                    self._carry,
+                    self._sampler_state(),
+                )
             prefix = 0
             while prefix in done:
                 prefix += 1
@@ -654,9 +673,13 @@ class DataLoader:
         state comes from an incompatible loader.
         """
         if not isinstance(state, dict):
-            raise StateDictError(f"state must be a dict from DataLoader.state_dict(), got {type(state).__name__}")
+            raise StateDictError(
+                f"state must be a dict from DataLoader.state_dict(), got {type(state).__name__}"
+            )
         if state.get("version") != STATE_VERSION:
-            raise StateDictError(f"state version {state.get('version')!r} is not supported (expected {STATE_VERSION})")
+            raise StateDictError(
+                f"state version {state.get('version')!r} is not supported (expected {STATE_VERSION})"
+            )
         mine = {
             "length": self._length,
             "batch_size": self.batch_size,
@@ -673,7 +696,9 @@ class DataLoader:
                 )
         sampler_state = state.get("sampler")
         if sampler_state is not None and not callable(getattr(self._planner.custom, "load_state_dict", None)):
-            raise StateDictError("state dict holds a sampler state but this loader's sampler has no load_state_dict")
+            raise StateDictError(
+                "state dict holds a sampler state but this loader's sampler has no load_state_dict"
+            )
         with self._lock:
             self._check_open()
             self.seed = int(state["seed"])
@@ -703,4 +728,3 @@ class DataLoader:
             f"<aioloader.DataLoader batch_size={self.batch_size} num_workers={self.num_workers} "
             f"prefetch={self.prefetch} {self._state.value}>"
         )
-
