@@ -843,9 +843,8 @@ class RecordWriter:
         n = view.nbytes
         if n > MAX_RECORD_SIZE:
             raise _too_large(n, self.path)
-        data: bytes | bytearray = payload if isinstance(payload, (bytes, bytearray)) else view.tobytes()
-        if isinstance(payload, (bytes, bytearray)) and view.nbytes != len(payload):
-            data = view.tobytes()  # pragma: no cover - defensive, bytes views are flat
+        # bytes.find does the scanning in C; other buffers are copied once to get it.
+        data = payload if isinstance(payload, (bytes, bytearray)) else view.tobytes()
         start = self._pos
         sink = self._sink
         dptr = 0

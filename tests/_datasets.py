@@ -1,0 +1,186 @@
+"""Datasets and helpers shared by the tests. Module level, so that forkserver and spawn
+workers can import them."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import aioloader
+
+
+class RangeDataset:
+    """Sample i is (a small float32 array derived from i, i)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
+        return np.array([i, 2 * i, 3 * i], dtype=np.float32), i
+
+
+class RecordingDataset(RangeDataset):
+    """Appends every index it loads to a file (one line each), from inside the worker."""
+
+    def __init__(self, n: int, log: str) -> None:
+        super().__init__(n)
+        self.log = log
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
+        with open(self.log, "a") as f:
+            f.write(f"{i} {os.getpid()}\n")
+        return super().__getitem__(i)
+
+
+class SlowDataset(RangeDataset):
+    """Busy work per sample, to keep workers occupied (not used for synchronisation)."""
+
+    def __init__(self, n: int, work_s: float) -> None:
+        super().__init__(n)
+        self.work_s = work_s
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
+        end = time.perf_counter() + self.work_s
+        while time.perf_counter() < end:
+            pass
+        return super().__getitem__(i)
+
+
+class AugmentedDataset(RangeDataset):
+    """Random augmentation from every RNG a user might reach for."""
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
+        base = np.full(4, i, dtype=np.float64)
+        noise = np.array(
+            [random.random(), np.random.rand(), aioloader.sample_rng().random(), np.random.randint(0, 1000)]
+        )
+        return base + noise, i
+
+
+class TorchAugmentedDataset(RangeDataset):
+    def __getitem__(self, i: int) -> Any:
+        import torch
+
+        return torch.rand(3) + i, i
+
+
+class FailingDataset(RangeDataset):
+    """Raises ``exc_type`` at the chosen indices."""
+
+    def __init__(self, n: int, bad: set[int], exc_type: type[Exception] = KeyError) -> None:
+        super().__init__(n)
+        self.bad = set(bad)
+        self.exc_type = exc_type
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
+        if i in self.bad:
+            raise self.exc_type(f"sample {i} is bad")
+        return super().__getitem__(i)
+
+
+class Unpicklable(Exception):
+    def __init__(self, a: int, b: int) -> None:  # unpickling calls __init__(msg) and fails
+        super().__init__(f"custom {a} {b}")
+        self.lock = __import__("threading").Lock()
+
+
+class UnpicklableErrorDataset(RangeDataset):
+    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
+        if i == 3:
+            raise Unpicklable(1, 2)
+        return super().__getitem__(i)
+
+
+class ShapeMismatchDataset(RangeDataset):
+    def __getitem__(self, i: int) -> Any:
+        return np.zeros((5 if i == 6 else 3,), dtype=np.float32), i
+
+
+class CrashDataset(RangeDataset):
+    """Kills its own worker the first time (per marker file) it loads an index in ``crash_at``.
+
+    ``always=True`` crashes on every attempt. The marker file is created before the
+    crash, so a test can wait on it.
+    """
+
+    def __init__(self, n: int, crash_at: set[int], marker_dir: str, always: bool = False, how: str = "kill") -> None:
+        super().__init__(n)
+        self.crash_at = set(crash_at)
+        self.marker_dir = marker_dir
+        self.always = always
+        self.how = how
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
+        if i in self.crash_at:
+            marker = Path(self.marker_dir) / f"crashed-{i}"
+            if self.always or not marker.exists():
+                with open(marker, "a") as f:
+                    f.write("x")
+                if self.how == "exit":
+                    os._exit(3)
+                os.kill(os.getpid(), signal.SIGKILL)
+        return super().__getitem__(i)
+
+
+class HangDataset(RangeDataset):
+    """Blocks forever at ``hang_at`` (until the worker is killed)."""
+
+    def __init__(self, n: int, hang_at: int) -> None:
+        super().__init__(n)
+        self.hang_at = hang_at
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
+        if i == self.hang_at:
+            signal.pause() if hasattr(signal, "pause") else time.sleep(3600)
+        return super().__getitem__(i)
+
+
+class PidDataset(RangeDataset):
+    def __getitem__(self, i: int) -> Any:
+        return os.getpid(), i
+
+
+def failing_collate(samples: list[Any]) -> Any:
+    raise ValueError("collate says no")
+
+
+def failing_init(worker_id: int) -> None:
+    raise RuntimeError(f"init of worker {worker_id} failed")
+
+
+def record_init(worker_id: int) -> None:
+    os.environ["AIOLOADER_TEST_WORKER_ID"] = str(worker_id)
+
+
+class InitIdDataset(RangeDataset):
+    def __getitem__(self, i: int) -> Any:
+        return int(os.environ.get("AIOLOADER_TEST_WORKER_ID", "-1")), i
+
+
+class StatefulSampler:
+    """A custom sampler with its own state: a seeded shuffle that advances per epoch."""
+
+    def __init__(self, n: int, seed: int = 0) -> None:
+        self.n = n
+        self.rng = np.random.default_rng(seed)
+
+    def __iter__(self) -> Any:
+        return iter(self.rng.permutation(self.n).tolist())
+
+    def __len__(self) -> int:
+        return self.n
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rng": self.rng.bit_generator.state}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.rng.bit_generator.state = state["rng"]

@@ -1,0 +1,140 @@
+"""Shared fixtures: the two faces of iteration, and leak checks around every test."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+SHM_PREFIX = "aioloader_"
+HELPER_MARKERS = ("forkserver", "resource_tracker", "semaphore_tracker")
+
+
+def _children(pid: int) -> list[int]:
+    # Children are listed per thread: a process started from a helper thread (the
+    # forkserver, say) only appears under that thread's entry.
+    out: list[int] = []
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out.extend(int(x) for x in f.read().split())
+        except OSError:
+            pass
+    return out
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def descendant_workers(root: int | None = None) -> set[int]:
+    """Live processes below ``root``, looking *through* multiprocessing's helper
+    processes (forkserver, resource tracker) but not counting them: they belong to the
+    interpreter, not to any loader."""
+    out: set[int] = set()
+    top = os.getpid() if root is None else root
+    stack = [(pid, _cmdline(top)) for pid in _children(top)]
+    while stack:
+        pid, parent_cmd = stack.pop()
+        cmd = _cmdline(pid)
+        stack.extend((c, cmd) for c in _children(pid))
+        if _is_zombie(pid):
+            continue
+        # forkserver children are forked without exec, so they share its command line:
+        # the helper is the process whose parent is *not* a helper of the same kind.
+        if any(m in cmd and m not in parent_cmd for m in HELPER_MARKERS):
+            continue
+        out.add(pid)
+    return out
+
+
+def shm_entries() -> set[str]:
+    try:
+        return {n for n in os.listdir("/dev/shm") if n.startswith(SHM_PREFIX)}
+    except FileNotFoundError:
+        return set()
+
+
+def wait_until(cond: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
+    """Poll ``cond`` until it holds (a bounded wait on an observable state, not a sleep
+    standing in for synchronisation)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.005)
+
+
+@pytest.fixture(autouse=True)
+def no_leaks() -> Iterator[None]:
+    """Every test must leave no worker process, thread or shared-memory segment behind."""
+    procs0 = descendant_workers()
+    threads0 = {t.ident for t in threading.enumerate()}
+    shm0 = shm_entries()
+    yield
+    gc.collect()
+    try:
+        wait_until(lambda: not (descendant_workers() - procs0), 15.0, "worker processes to exit")
+    except AssertionError:
+        left = descendant_workers() - procs0
+        raise AssertionError(f"child processes left behind: {[(p, _cmdline(p)) for p in left]}") from None
+    try:
+        wait_until(lambda: not ({t.ident for t in threading.enumerate()} - threads0), 10.0, "threads to exit")
+    except AssertionError:
+        left_t = [t.name for t in threading.enumerate() if t.ident not in threads0]
+        raise AssertionError(f"threads left behind: {left_t}") from None
+    left_shm = shm_entries() - shm0
+    assert not left_shm, f"/dev/shm entries left behind: {sorted(left_shm)}"
+
+
+def _collect_sync(loader: Any, limit: int | None = None) -> list[Any]:
+    out = []
+    for batch in loader:
+        out.append(batch)
+        if limit is not None and len(out) >= limit:
+            break
+    return out
+
+
+def _collect_async(loader: Any, limit: int | None = None) -> list[Any]:
+    async def main() -> list[Any]:
+        out = []
+        async for batch in loader:
+            out.append(batch)
+            if limit is not None and len(out) >= limit:
+                break
+        return out
+
+    return asyncio.run(main())
+
+
+@pytest.fixture(params=["for", "async-for"])
+def collect(request: pytest.FixtureRequest) -> Callable[..., list[Any]]:
+    """``collect(loader, limit=None)``: one epoch through ``for`` or ``async for``."""
+    return _collect_sync if request.param == "for" else _collect_async
+
+
+FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures"
