@@ -158,6 +158,10 @@ def pack_main(argv: Sequence[str] | None = None) -> int:
 
     from tqdm import tqdm
 
+    class _Bar(tqdm):  # type: ignore[misc]
+        # No monitor thread: the bar is updated after every batch anyway.
+        monitor_interval = 0
+
     rec_path = os.fspath(args.output)
     idx_path = os.path.splitext(rec_path)[0] + ".idx"
     try:
@@ -175,7 +179,7 @@ def pack_main(argv: Sequence[str] | None = None) -> int:
     batches = _encoded_batches(dataset, args.workers, args.batch_size, sys.stderr)
     done = False
     try:
-        with tqdm(total=len(dataset), unit="img", desc="pack", file=sys.stderr) as bar:
+        with _Bar(total=len(dataset), unit="img", desc="pack", file=sys.stderr) as bar:
             for batch in batches:
                 for index, record in batch:
                     writer.write(index, record)

@@ -99,6 +99,7 @@ class EpochRun:
         if self.closed:
             return
         self.closed = True
+        self.ready.put_nowait(_CLOSED)  # wakes a consumer waiting for the next batch
         pending: list[asyncio.Task[Any]] = [t for t in self.tasks if not t.done()]
         if self._producer is not None and not self._producer.done():
             pending.append(self._producer)
@@ -168,16 +169,25 @@ class EpochRun:
                 raise StopAsyncIteration
             self.begin_consuming()
             t0 = time.monotonic_ns()
-            t: asyncio.Task[Any] | None = None
+            t: Any = None
             try:
                 t = await self.ready.get()
+                if t is _CLOSED:
+                    t = None
+                    continue  # the loop head reports how the run ended
                 pos, res = await t
-            except (Exception, asyncio.CancelledError) as exc:
+            except asyncio.CancelledError:
                 if t is not None:
                     self._take(t)
                 await self.aclose()
-                if isinstance(exc, Exception):
-                    self._add_context(exc)
+                if cfg.is_closed() and not _cancelling():
+                    raise LoaderClosedError("the loader was closed while it was being iterated") from None
+                raise
+            except Exception as exc:
+                if t is not None:
+                    self._take(t)
+                await self.aclose()
+                self._add_context(exc)
                 raise
             self._take(t)
             now = time.monotonic_ns()
@@ -287,8 +297,8 @@ class Dispatcher:
                 finally:
                     self._running.pop(task_id, None)
             except asyncio.CancelledError:
-                if self.stopping or self.is_closed():
-                    raise
+                if self.stopping or self.is_closed() or _cancelling():
+                    raise  # this task itself is being cancelled
                 if task_id in self._timed_out:
                     raise self._timeout_error(label, indices) from None
                 continue  # an abandoned thread generation cancelled it: run it again
@@ -304,10 +314,19 @@ class Dispatcher:
                     attempts += 1
                     if attempts > self.max_retries:
                         code = info.culprits.get(task_id)
+                        if code is not None:
+                            how = f"exit code {_describe_code(code)}"
+                        else:
+                            codes = sorted({_describe_code(c) for c in info.exitcodes.values() if c is not None})
+                            how = (
+                                f"the culprit could not be told apart; dead workers' exit codes: {codes or 'unknown'}."
+                                " Workers that die before running any task usually cannot import the main"
+                                " module or the dataset's module (run from a file, not stdin; guard the"
+                                " entry point with if __name__ == '__main__')"
+                            )
                         raise WorkerCrashedError(
-                            f"{label} (sample indices {_short(indices)}) killed its worker "
-                            f"{attempts} times (exit code {_describe_code(code)}); "
-                            f"max_retries={self.max_retries}",
+                            f"{label} (sample indices {_short(indices)}) was lost to a dying worker "
+                            f"{attempts} times ({how}); max_retries={self.max_retries}",
                             indices=_as_list(indices),
                             exitcode=code,
                             attempts=attempts,
@@ -357,6 +376,21 @@ class Dispatcher:
                     if pool.kind == "thread":
                         pool.abandon(gen)
                     fut.cancel()
+
+
+class _Closed:
+    def __repr__(self) -> str:
+        return "<run closed>"
+
+
+_CLOSED: Any = _Closed()
+
+
+def _cancelling() -> bool:
+    """Is the current task itself being cancelled (as opposed to something it awaited)?"""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)
+    return bool(cancelling()) if cancelling is not None else True
 
 
 def _as_list(indices: Any) -> list[int]:

@@ -185,14 +185,8 @@ class ImageFolder:
         return f"ImageFolder({self.root!r}, classes={len(self.classes)}, samples={len(self)})"
 
 
-class RecordFileDataset:
-    """The raw payloads of an indexed record file, by position in its ``.idx``.
-
-    ``dataset[i]`` is the bytes of the record on line ``i`` of the ``.idx`` (negative
-    indices count from the end). ``idx_path`` defaults to the ``.rec`` path with its
-    extension replaced by ``.idx``. Errors are those of
-    :class:`~aioloader.recordio.IndexedRecordReader`.
-    """
+class _RecordDataset:
+    """What both record datasets share: one indexed reader, used by position."""
 
     def __init__(self, path: StrPath, idx_path: StrPath | None = None) -> None:
         self.reader = IndexedRecordReader(path, idx_path)
@@ -205,18 +199,28 @@ class RecordFileDataset:
     def __len__(self) -> int:
         return len(self.reader)
 
-    def __getitem__(self, index: int) -> bytes:
-        return self.reader.read_position(index)
-
     def close(self) -> None:
-        """Close the underlying reader in this process."""
+        """Close the underlying reader's descriptor in this process (copies keep theirs)."""
         self.reader.close()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.reader.path!r}, records={len(self)})"
 
 
-class ImageRecordDataset(RecordFileDataset):
+class RecordFileDataset(_RecordDataset):
+    """The raw payloads of an indexed record file, by position in its ``.idx``.
+
+    ``dataset[i]`` is the bytes of the record on line ``i`` of the ``.idx`` (negative
+    indices count from the end). ``idx_path`` defaults to the ``.rec`` path with its
+    extension replaced by ``.idx``. Errors are those of
+    :class:`~aioloader.recordio.IndexedRecordReader`.
+    """
+
+    def __getitem__(self, index: int) -> bytes:
+        return self.reader.read_position(index)
+
+
+class ImageRecordDataset(_RecordDataset):
     """Image records (as written by ``im2rec`` or ``python -m aioloader pack``).
 
     ``dataset[i]`` is ``(image, label)`` for the record on line ``i`` of the ``.idx``.
@@ -251,7 +255,7 @@ class ImageRecordDataset(RecordFileDataset):
         record = self.reader.read_position(i)
         return unpack_header(record, path=self.reader.path, key=key)
 
-    def __getitem__(self, index: int) -> tuple[Any, Label]:  # type: ignore[override]
+    def __getitem__(self, index: int) -> tuple[Any, Label]:
         i = _normalize_index(index, len(self))
         head, encoded = self._split(i)
         img = _decode_rgb(encoded, path=self.reader.path, key=int(self.reader.keys[i]))

@@ -380,7 +380,7 @@ class DataLoader:
     def _make_payload(self) -> bytes:
         ctx = _worker.WorkerContext(
             dataset=self.dataset,
-            collate_fn=self.collate_fn,
+            collate_fn=self._transport.wrap_collate(self.collate_fn),
             worker_init_fn=self.worker_init_fn,
             on_error=self.on_error,
             seed_samples=self.seed_samples,
@@ -600,6 +600,8 @@ class DataLoader:
     def _iterate(self, portal: Portal, run: EpochRun) -> Iterator[Any]:
         try:
             while True:
+                if self._state is _State.CLOSED or portal.loop.is_closed():
+                    raise LoaderClosedError("the loader was closed while it was being iterated")
                 try:
                     batch = portal.call(run.next_batch())
                 except StopAsyncIteration:

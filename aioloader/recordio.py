@@ -32,6 +32,7 @@ names the file, the key and the byte offset, also available as attributes.
 
 from __future__ import annotations
 
+import io
 import numbers
 import os
 import struct
@@ -265,7 +266,7 @@ def _read_record(
                 if pos < window.handle.size:
                     msg = (
                         f"only {window.handle.size - pos} bytes left, too few for a record "
-                        f"header; the .idx offset does not point at a record"
+                        f"header; the offset does not point at a record"
                     )
                 raise _fail(msg, path, key, offset)
             raise _fail(
@@ -279,7 +280,7 @@ def _read_record(
         if magic != MAGIC:
             if first:
                 what = (
-                    "the .idx offset does not point at a record header"
+                    "the offset (from the .idx or the caller) does not point at a record header"
                     if from_index
                     else "no record header here"
                 )
@@ -338,6 +339,9 @@ def _read_record(
     return payload, pos
 
 
+_R = TypeVar("_R", bound="_ReaderBase")
+
+
 class _ReaderBase:
     """What both readers share: the path, the per-process handle, close and pickling."""
 
@@ -374,9 +378,6 @@ class _ReaderBase:
         tb: TracebackType | None,
     ) -> None:
         self.close()
-
-
-_R = TypeVar("_R", bound=_ReaderBase)
 
 
 # A RecordReader's cursor lock must also be renewed in a forked child.
@@ -502,6 +503,7 @@ class _Index(NamedTuple):
     ends: npt.NDArray[np.int64]  # where each record's prefetch span ends
     sorted_keys: npt.NDArray[np.int64]
     order: npt.NDArray[np.int64] | None  # positions in key order, None if keys ascend
+    first_key: int | None  # set when the keys are first_key, first_key + 1, ... in order
 
 
 def _idx_line_error(idx_path: str, data: bytes, line_no: int, starts: Any, why: str) -> Exception:
@@ -572,13 +574,13 @@ def _parse_index(idx_path: str, data: bytes) -> tuple[npt.NDArray[np.int64], npt
             why = "unexpected character"
         raise _idx_line_error(idx_path, data, line_no, starts, why)
 
-    # Only digits, tabs, newlines, signs and CRs are left: replace the separators by
-    # spaces and let numpy parse the whitespace-separated integers in C.
-    cleaned = data.replace(b"\r", b" ").replace(b"\t", b" ").replace(b"\n", b" ")
-    values = np.array(cleaned.split(), dtype=np.bytes_).astype(np.int64)
-    if len(values) != 2 * n:  # pragma: no cover - excluded by the checks above
+    # Only well-formed "key<TAB>offset" lines are left: numpy's C text parser does the rest.
+    if has_cr.any():
+        data = data.replace(b"\r\n", b"\n")
+    values = np.loadtxt(io.BytesIO(data), dtype=np.int64, delimiter="\t", ndmin=2, comments=None)
+    if values.shape != (n, 2):  # pragma: no cover - excluded by the checks above
         raise _fail("could not parse the index", idx_path, None, None)
-    return values[0::2].copy(), values[1::2].copy()
+    return values[:, 0].copy(), values[:, 1].copy()
 
 
 def _build_index(
@@ -613,10 +615,13 @@ def _build_index(
     else:
         order = np.argsort(keys, kind="stable").astype(np.int64)
         sorted_keys = keys[order]
+    first_key = None
+    if order is None and len(keys) and int(keys[-1]) - int(keys[0]) == len(keys) - 1:
+        first_key = int(keys[0])  # ascending, distinct and spanning n values: consecutive
     for a in (keys, offsets, ends, sorted_keys, order):
         if a is not None:
             a.setflags(write=False)
-    return _Index(keys, offsets, ends, sorted_keys, order)
+    return _Index(keys, offsets, ends, sorted_keys, order, first_key)
 
 
 def _default_idx_path(path: str) -> str:
@@ -675,6 +680,11 @@ class IndexedRecordReader(_ReaderBase):
         if k is None or isinstance(key, bool):
             raise TypeError(f"record keys are integers, got {type(key).__name__}")
         index = self._index
+        if index.first_key is not None:
+            j = k - index.first_key
+            if 0 <= j < len(index.keys):
+                return j
+            raise KeyError(key)
         j = int(np.searchsorted(index.sorted_keys, k, side="right")) - 1
         if j < 0 or int(index.sorted_keys[j]) != k:
             raise KeyError(key)
@@ -804,7 +814,8 @@ class RecordWriter:
 
     The bytes are exactly those MXNet's writer produces for the same payloads. Payloads
     are bytes-like (``bytes``, ``bytearray``, ``memoryview``, contiguous numpy arrays).
-    Not picklable, and a writer inherited by a forked child writes nothing there.
+    Threads may share a writer (each record is written whole). Not picklable, and a
+    writer inherited by a forked child writes nothing there.
     Call :meth:`close` (or use ``with``) to flush; garbage collection also flushes, as a
     safety net.
     """
@@ -814,6 +825,8 @@ class RecordWriter:
         self._sink = _Sink(self.path)
         self._finalizer = weakref.finalize(self, self._sink.close)
         self._pos = 0
+        # One record's parts must not interleave with another thread's.
+        self._lock = threading.Lock()
 
     @property
     def closed(self) -> bool:
@@ -843,6 +856,10 @@ class RecordWriter:
         n = view.nbytes
         if n > MAX_RECORD_SIZE:
             raise _too_large(n, self.path)
+        with self._lock:
+            return self._write_locked(payload, view, n)
+
+    def _write_locked(self, payload: Buffer, view: memoryview, n: int) -> int:
         # bytes.find does the scanning in C; other buffers are copied once to get it.
         data = payload if isinstance(payload, (bytes, bytearray)) else view.tobytes()
         start = self._pos
@@ -912,7 +929,7 @@ class IndexedRecordWriter(RecordWriter):
         try:
             self._idx_sink = _Sink(self.idx_path)
         except BaseException:
-            self.close()
+            self._finalizer()  # only the .rec is open so far
             raise
         self._idx_finalizer = weakref.finalize(self, self._idx_sink.close)
         self._keys: set[int] = set()
@@ -926,11 +943,17 @@ class IndexedRecordWriter(RecordWriter):
         if isinstance(key, bool) or not isinstance(key, (int, np.integer)):
             raise TypeError(f"record keys are integers, got {type(key).__name__}")
         k = int(key)
-        if k in self._keys:
-            raise ValueError(f"{self.idx_path}: key {k} was already written")
-        offset = super().write(payload)
-        self._keys.add(k)
-        self._idx_sink.write(f"{k}\t{offset}\n".encode("ascii"))
+        self._check_usable()
+        view = _as_view(payload)
+        n = view.nbytes
+        if n > MAX_RECORD_SIZE:
+            raise _too_large(n, self.path)
+        with self._lock:
+            if k in self._keys:
+                raise ValueError(f"{self.idx_path}: key {k} was already written")
+            offset = self._write_locked(payload, view, n)
+            self._keys.add(k)
+            self._idx_sink.write(f"{k}\t{offset}\n".encode("ascii"))
         return offset
 
     def write_idx(self, key: int, payload: Buffer) -> int:

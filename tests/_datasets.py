@@ -132,15 +132,38 @@ class CrashDataset(RangeDataset):
 
 
 class HangDataset(RangeDataset):
-    """Blocks forever at ``hang_at`` (until the worker is killed)."""
+    """Blocks at ``hang_at`` until the worker is killed; with ``marker`` only the first
+    time (the marker file records that it happened)."""
 
-    def __init__(self, n: int, hang_at: int) -> None:
+    def __init__(self, n: int, hang_at: int, marker: str | None = None) -> None:
         super().__init__(n)
         self.hang_at = hang_at
+        self.marker = marker
 
     def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
-        if i == self.hang_at:
-            signal.pause() if hasattr(signal, "pause") else time.sleep(3600)
+        if i == self.hang_at and (self.marker is None or not os.path.exists(self.marker)):
+            if self.marker is not None:
+                Path(self.marker).touch()
+            while True:
+                time.sleep(3600)  # a stuck sample: only a kill ends it
+        return super().__getitem__(i)
+
+
+class GatedDataset(RangeDataset):
+    """Sample ``gate_at`` waits until ``release`` exists; it writes ``arrived`` first."""
+
+    def __init__(self, n: int, gate_at: int, arrived: str, release: str) -> None:
+        super().__init__(n)
+        self.gate_at = gate_at
+        self.arrived = arrived
+        self.release = release
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
+        if i == self.gate_at:
+            Path(self.arrived).touch()
+            deadline = time.monotonic() + 60
+            while not os.path.exists(self.release) and time.monotonic() < deadline:
+                time.sleep(0.002)  # waiting on a file the test writes
         return super().__getitem__(i)
 
 

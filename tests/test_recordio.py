@@ -194,7 +194,7 @@ chunks = st.one_of(st.binary(max_size=9), st.just(MAGIC_BYTES), st.just(MAGIC_BY
 payloads_st = st.lists(chunks, max_size=10).map(b"".join)
 
 
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=120, deadline=None, database=None)
 @given(records=st.lists(payloads_st, min_size=1, max_size=8), keys_seed=st.integers(0, 2**16))
 @example(records=[MAGIC_BYTES, b"x" + MAGIC_BYTES, b"ab" + MAGIC_BYTES + b"cd"], keys_seed=0)
 @example(records=[b"abcd" + MAGIC_BYTES * 3 + b"e", b"", MAGIC_BYTES[:3]], keys_seed=1)
@@ -278,6 +278,19 @@ def test_unsorted_and_repeated_keys(tmp_path: Path) -> None:
         with pytest.raises(TypeError):
             reader.read("5")  # type: ignore[arg-type]
         assert not reader.keys.flags.writeable
+
+
+def test_consecutive_and_sparse_keys(tmp_path: Path) -> None:
+    written = helpers.write_numbered(tmp_path / "c.rec", 5, first_key=-2)  # keys -2..2
+    with IndexedRecordReader(tmp_path / "c.rec") as reader:
+        assert [reader.read(k) for k in range(-2, 3)] == [written[k] for k in range(-2, 3)]
+        for missing in (-3, 3):
+            with pytest.raises(KeyError):
+                reader.read(missing)
+    with IndexedRecordReader(FIX / "images.rec") as reader:  # keys 1000, 1007, ...
+        assert reader.position(1007) == 1
+        with pytest.raises(KeyError):
+            reader.read(1001)
 
 
 def test_idx_with_crlf_and_no_final_newline(tmp_path: Path) -> None:
@@ -416,7 +429,7 @@ def test_truncated_header_at_end(tmp_path: Path) -> None:
 
 
 def test_idx_offset_past_end(tmp_path: Path) -> None:
-    rec, idx, offsets = good_pair(tmp_path)
+    rec, idx, _ = good_pair(tmp_path)
     size = rec.stat().st_size
     idx.write_text(idx.read_text() + f"77\t{size}\n")
     with pytest.raises(RecordIOError, match="past the end") as info:
@@ -444,7 +457,7 @@ def test_malformed_idx_line(tmp_path: Path, line: str) -> None:
     lines = idx.read_text().splitlines()
     lines.insert(1, line)
     idx.write_text("\n".join(lines) + "\n")
-    with pytest.raises(RecordIOError, match="malformed .idx line 2") as info:
+    with pytest.raises(RecordIOError, match=r"malformed \.idx line 2") as info:
         IndexedRecordReader(rec)
     assert info.value.path == str(idx)
     assert info.value.offset == len(lines[0]) + 1  # the line's byte offset in the .idx
@@ -484,6 +497,7 @@ idx_chars = st.sampled_from(list(b"\t\n\r -+0123456789ax"))
 @settings(
     max_examples=150,
     deadline=None,
+    database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 @given(

@@ -1,0 +1,162 @@
+"""What runs inside a worker for a :class:`~aioloader.StreamLoader`: ``fn`` and collate.
+
+The unit of work is one *micro-batch*: the event loop pulls items from the source,
+groups them by the size/deadline rule, and sends each group as one
+:class:`StreamTask`. The worker applies ``fn`` (item by item, or once on the list with
+``batched_fn=True``) and then ``collate_fn``, and returns one :class:`StreamResult`.
+Unlike a DataLoader task, a stream task carries its items: they exist only in the
+consumer's process.
+
+The stream's ``fn``, ``collate_fn`` and options reach a worker once, as the pickled
+payload of a :class:`StreamContext` (the same protocol as a DataLoader's dataset:
+installed by an owned pool's initializer, or sent on demand after
+:data:`~aioloader._worker.NEED_PAYLOAD`). In thread mode the context object itself
+rides along with every task, so nothing is pickled.
+
+This module never imports asyncio.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from . import _worker
+from .errors import CollateError
+
+__all__ = ["StreamContext", "StreamResult", "StreamTask", "run_stream_batch"]
+
+
+@dataclass
+class StreamContext(_worker.WorkerContext):
+    """A stream's worker-side configuration. ``dataset`` is unused (``None``)."""
+
+    fn: Callable[[Any], Any] | None = None
+    batched_fn: bool = False
+
+
+class StreamTask(NamedTuple):
+    """One micro-batch on its way to a worker."""
+
+    token: str
+    task_id: int
+    batch: int  # sequence number of the micro-batch within its iteration
+    first: int  # source position of items[0] (items are consecutive in the source)
+    items: Sequence[Any]
+    payload: bytes | StreamContext | None = None
+
+
+class StreamResult(NamedTuple):
+    data: Any  # the collated batch, or None when every item was skipped
+    n_items: int  # items that made it into ``data``
+    skipped: tuple[tuple[int, str], ...]  # (source position, "Type: message")
+    pid: int
+    start_ns: int
+    end_ns: int
+
+
+def _context(task: StreamTask) -> StreamContext | None:
+    payload = task.payload
+    if isinstance(payload, StreamContext):
+        return payload
+    ctx = _worker._contexts.get(task.token)
+    if ctx is None:
+        if payload is None:
+            return None
+        ctx = _worker._load_payload(task.token, payload)
+    if not isinstance(ctx, StreamContext):  # pragma: no cover - tokens are uuids
+        raise TypeError(f"aioloader: token {task.token} names a DataLoader, not a stream")
+    return ctx
+
+
+def run_stream_batch(task: StreamTask) -> StreamResult | str:
+    """Apply ``fn`` and ``collate_fn`` to one micro-batch. Runs on any executor.
+
+    Returns :data:`~aioloader._worker.NEED_PAYLOAD` when this worker has not seen the
+    stream yet and the task came without its payload. Exceptions from user code are
+    raised with their own type and a note naming the source position of the item.
+    """
+    ctx = _context(task)
+    if ctx is None:
+        return _worker.NEED_PAYLOAD
+    if not ctx.init_done:
+        _worker._run_init(ctx)
+    if ctx.init_error is not None:
+        raise _worker._portable(ctx.init_error, ctx)
+    start = time.monotonic_ns()
+    _worker._mark_start(task.task_id, start)
+    try:
+        data, count, skipped = _build(ctx, task)
+    finally:
+        _worker._mark_end(task.task_id)
+    return StreamResult(data, count, skipped, os.getpid(), start, time.monotonic_ns())
+
+
+def _where(task: StreamTask) -> str:
+    return f"micro-batch {task.batch} of the stream, worker pid {os.getpid()}"
+
+
+def _build(ctx: StreamContext, task: StreamTask) -> tuple[Any, int, tuple[tuple[int, str], ...]]:
+    items = list(task.items)
+    first = task.first
+    skipped: list[tuple[int, str]] = []
+    fn = ctx.fn
+    kept: list[int]
+    if fn is None:
+        outputs: Any = items
+        kept = list(range(first, first + len(items)))
+    elif ctx.batched_fn:
+        last = first + len(items) - 1
+        try:
+            outputs = fn(items)
+        except Exception as exc:
+            if ctx.on_error == "skip":
+                why = f"{type(exc).__name__}: {exc}"
+                return None, 0, tuple((p, why) for p in range(first, last + 1))
+            _worker._add_note(
+                exc, f"aioloader: raised by fn(items) on stream items {first}..{last} in {_where(task)}"
+            )
+            raise _worker._portable(exc, ctx)  # noqa: B904 (re-raises exc itself)
+        kept = list(range(first, last + 1))
+    else:
+        outputs = []
+        kept = []
+        for k, item in enumerate(items):
+            pos = first + k
+            try:
+                outputs.append(fn(item))
+            except Exception as exc:
+                if ctx.on_error == "skip":
+                    skipped.append((pos, f"{type(exc).__name__}: {exc}"))
+                    continue
+                _worker._add_note(
+                    exc,
+                    f"aioloader: raised by fn(item) on stream item {pos} (item {k} of {_where(task)})",
+                )
+                raise _worker._portable(exc, ctx)  # noqa: B904 (re-raises exc itself)
+            kept.append(pos)
+        if not outputs:
+            return None, 0, tuple(skipped)
+    try:
+        batch = ctx.collate_fn(outputs)
+    except Exception as exc:
+        named = ""
+        if isinstance(exc, CollateError):
+            positions = getattr(exc, "positions", [])
+            exc.indices = [kept[p] for p in positions if p < len(kept)]  # type: ignore[attr-defined]
+            named = f"; the mismatching items are at source positions {exc.indices}"  # type: ignore[attr-defined]
+        _worker._add_note(
+            exc,
+            f"aioloader: raised by collate_fn in {_where(task)}, source positions {_span(kept)}{named}",
+        )
+        raise _worker._portable(exc, ctx)  # noqa: B904 (re-raises exc itself)
+    return batch, len(kept), tuple(skipped)
+
+
+def _span(positions: list[int]) -> str:
+    if positions and positions == list(range(positions[0], positions[-1] + 1)) and len(positions) > 3:
+        return f"{positions[0]}..{positions[-1]}"
+    return str(positions)

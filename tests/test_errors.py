@@ -1,0 +1,457 @@
+"""Errors from user code, worker crashes, timeouts, cancellation, bad input, leaks."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import aioloader
+from aioloader import errors
+
+from ._datasets import (
+    CrashDataset,
+    FailingDataset,
+    GatedDataset,
+    HangDataset,
+    RangeDataset,
+    ShapeMismatchDataset,
+    UnpicklableErrorDataset,
+    failing_collate,
+    failing_init,
+)
+from .conftest import descendant_workers, shm_entries, wait_until
+
+WORKERS = [pytest.param(0, id="thread"), pytest.param(2, id="processes")]
+
+
+def notes(exc: BaseException) -> str:
+    return "\n".join(getattr(exc, "__notes__", []))
+
+
+# ----------------------------------------------------------------------------- user errors
+@pytest.mark.parametrize("num_workers", WORKERS)
+def test_dataset_exception_keeps_type_message_and_names_the_sample(collect, num_workers) -> None:
+    with aioloader.DataLoader(FailingDataset(20, {9}), 4, num_workers=num_workers) as loader:
+        with pytest.raises(KeyError, match="sample 9 is bad") as info:
+            collect(loader)
+        text = notes(info.value)
+        assert "sample index 9" in text and "batch 2 of epoch 0" in text
+        if num_workers:
+            assert "Traceback" in str(info.value.__cause__)  # the worker's traceback
+            pids = loader.worker_pids()
+        # the loader survives: the next epoch runs on the same workers
+        loader.dataset  # noqa: B018
+        with pytest.raises(KeyError):
+            collect(loader)
+        if num_workers:
+            assert loader.worker_pids() == pids
+            assert loader.stats().restarts == 0
+
+
+def test_batches_before_the_error_are_delivered(collect) -> None:
+    got = []
+    with aioloader.DataLoader(FailingDataset(20, {13}), 4, num_workers=2) as loader:
+
+        class Tap(list):
+            pass
+
+        with pytest.raises(KeyError):
+            for b in loader:
+                got.append(b[1].tolist())
+    assert got == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+
+
+@pytest.mark.parametrize("num_workers", WORKERS)
+def test_collate_and_init_errors_keep_their_type(collect, num_workers) -> None:
+    with aioloader.DataLoader(RangeDataset(8), 4, num_workers=num_workers, collate_fn=failing_collate) as loader:
+        with pytest.raises(ValueError, match="collate says no") as info:
+            collect(loader)
+        assert "collate_fn" in notes(info.value) and "[0, 1, 2, 3]" in notes(info.value)
+    with aioloader.DataLoader(RangeDataset(8), 4, num_workers=num_workers, worker_init_fn=failing_init) as loader:
+        with pytest.raises(RuntimeError, match="init of worker") as info:
+            collect(loader)
+        assert "worker_init_fn" in notes(info.value)
+
+
+def test_unpicklable_exception_arrives_as_remote_error(collect) -> None:
+    with aioloader.DataLoader(UnpicklableErrorDataset(8), 4, num_workers=1) as loader:
+        with pytest.raises(aioloader.RemoteError) as info:
+            collect(loader)
+    err = info.value
+    assert err.type_name.endswith("Unpicklable")
+    assert err.original_message == "custom 1 2"
+    assert "Traceback" in err.remote_traceback and "_datasets.py" in err.remote_traceback
+    assert "sample index 3" in notes(err)
+
+
+@pytest.mark.parametrize("num_workers", WORKERS)
+def test_on_error_skip_drops_and_counts(collect, num_workers) -> None:
+    with aioloader.DataLoader(FailingDataset(12, {1, 2, 8, 9, 10, 11}), 4, num_workers=num_workers, on_error="skip") as loader:
+        got = collect(loader)
+        assert [b[1].tolist() for b in got] == [[0, 3], [4, 5, 6, 7]]  # the all-bad batch vanishes
+        assert loader.stats().skipped == 6
+    with aioloader.DataLoader(
+        FailingDataset(12, {1, 2, 8}), 4, num_workers=num_workers, on_error="skip", max_skipped=2
+    ) as loader:
+        with pytest.raises(aioloader.TooManySkippedError, match="max_skipped=2") as info:
+            collect(loader)
+        assert [i for i, _ in info.value.skipped] == [1, 2, 8]
+
+
+def test_collate_mismatch_names_indices_and_shapes(collect) -> None:
+    with aioloader.DataLoader(ShapeMismatchDataset(10), 4, num_workers=1) as loader:
+        with pytest.raises(aioloader.CollateError) as info:
+            collect(loader)
+    msg = str(info.value) + notes(info.value)
+    assert "(3,)" in msg and "(5,)" in msg
+    assert "indices [4, 6]" in msg
+
+
+# ------------------------------------------------------------------------------- crashes
+def clean_epoch(n: int, bs: int, seed: int) -> list[list[int]]:
+    with aioloader.DataLoader(RangeDataset(n), bs, shuffle=True, seed=seed) as loader:
+        return [b[1].tolist() for b in loader]
+
+
+@pytest.mark.parametrize("crash_at", [{0}, {17}, {3, 29, 46}], ids=["first", "middle", "three"])
+@pytest.mark.parametrize("how", ["kill", "exit"])
+def test_worker_crash_is_survived_and_epoch_identical(collect, tmp_path: Path, crash_at, how) -> None:
+    n, bs, seed = 48, 4, 11
+    expected = clean_epoch(n, bs, seed)
+    ds = CrashDataset(n, crash_at, str(tmp_path), how=how)
+    # No speculative next epoch here: it could load a crashing index concurrently, and
+    # this test counts crashes exactly.
+    with aioloader.DataLoader(ds, bs, shuffle=True, seed=seed, num_workers=2, prefetch_next_epoch=False) as loader:
+        got = [b[1].tolist() for b in collect(loader)]
+        assert got == expected
+        # two workers may die in the same pool incarnation: one rebuild covers both
+        assert 1 <= loader.stats().restarts <= len(crash_at)
+        for i in crash_at:
+            assert (tmp_path / f"crashed-{i}").read_text() == "x"  # each crashed exactly once
+        # and the next epoch is fine too
+        assert len(collect(loader)) == n // bs
+
+
+def test_sample_that_always_crashes_raises_worker_crashed(collect, tmp_path: Path) -> None:
+    ds = CrashDataset(16, {6}, str(tmp_path), always=True)
+    with aioloader.DataLoader(ds, 4, num_workers=2, max_retries=2) as loader:
+        with pytest.raises(aioloader.WorkerCrashedError) as info:
+            collect(loader)
+        err = info.value
+        assert err.indices == [4, 5, 6, 7]
+        assert err.exitcode == -signal.SIGKILL
+        assert err.attempts == 3
+        assert "SIGKILL" in str(err)
+        assert (tmp_path / "crashed-6").read_text() == "xxx"
+        # the loader is still usable afterwards on a fresh pool
+        loader.dataset.crash_at = set()
+    with aioloader.DataLoader(RangeDataset(8), 4, num_workers=2) as loader:
+        assert len(collect(loader)) == 2
+
+
+def test_crash_in_borrowed_executor_is_a_clear_error(tmp_path: Path) -> None:
+    import concurrent.futures as cf
+
+    ds = CrashDataset(8, {2}, str(tmp_path))
+    with cf.ProcessPoolExecutor(1) as ex:
+        with aioloader.DataLoader(ds, 4, executor=ex) as loader:
+            with pytest.raises(aioloader.PoolBrokenError, match="does not own"):
+                list(loader)
+
+
+# ------------------------------------------------------------------------------ timeouts
+def test_hung_sample_times_out_and_loader_recovers(collect, tmp_path: Path) -> None:
+    marker = tmp_path / "hung"
+    with aioloader.DataLoader(HangDataset(16, 5, str(marker)), 4, num_workers=2, timeout=0.5) as loader:
+        with pytest.raises(aioloader.LoaderTimeout) as info:
+            collect(loader)
+        assert isinstance(info.value, TimeoutError)
+        assert info.value.indices == [4, 5, 6, 7]
+        assert marker.exists()
+        assert loader.stats().restarts == 1
+        assert [b[1].tolist() for b in collect(loader)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+
+
+def test_timeout_in_thread_mode(collect, tmp_path: Path) -> None:
+    # A thread cannot be killed: the batch fails with LoaderTimeout and the stuck thread
+    # is abandoned; it ends when its sample returns (here: when the test releases it).
+    arrived, release = tmp_path / "arrived", tmp_path / "release"
+    with aioloader.DataLoader(GatedDataset(8, 5, str(arrived), str(release)), 4, timeout=0.3) as loader:
+        with pytest.raises(aioloader.LoaderTimeout) as info:
+            collect(loader)
+        assert info.value.indices == [4, 5, 6, 7]
+        release.touch()
+        assert [b[1].tolist() for b in collect(loader)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+# --------------------------------------------------------------------------- cancellation
+def test_cancelling_the_iterating_task(tmp_path: Path) -> None:
+    arrived, release = tmp_path / "arrived", tmp_path / "release"
+
+    async def main() -> int:
+        loader = aioloader.DataLoader(GatedDataset(40, 9, str(arrived), str(release)), 4, num_workers=2)
+        got = []
+
+        async def consume() -> None:
+            async for b in loader:
+                got.append(b)
+
+        task = asyncio.create_task(consume())
+        while not arrived.exists():
+            await asyncio.sleep(0.005)  # polling a file the worker writes
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        release.touch()
+        # still usable
+        n = 0
+        async for _ in loader:
+            n += 1
+        await loader.aclose()
+        return n
+
+    assert asyncio.run(main()) == 10
+
+
+def test_close_while_another_thread_iterates(tmp_path: Path) -> None:
+    arrived, release = tmp_path / "arrived", tmp_path / "release"
+    loader = aioloader.DataLoader(GatedDataset(40, 9, str(arrived), str(release)), 4, num_workers=2)
+    outcome: list[object] = []
+
+    def consume() -> None:
+        try:
+            for _ in loader:
+                pass
+            outcome.append("finished")
+        except BaseException as exc:  # noqa: BLE001
+            outcome.append(exc)
+
+    t = threading.Thread(target=consume)
+    t.start()
+    wait_until(arrived.exists, 20.0, "the gated sample to start")
+    loader.close()
+    release.touch()
+    t.join(30)
+    assert not t.is_alive()
+    assert len(outcome) == 1 and isinstance(outcome[0], aioloader.LoaderClosedError), outcome
+
+
+def test_garbage_collected_half_consumed_iterators() -> None:
+    loader = aioloader.DataLoader(RangeDataset(64), 4, num_workers=2)
+    it = iter(loader)
+    next(it)
+    del it
+    gc.collect()
+
+    async def main() -> None:
+        agen = loader.__aiter__()
+        await agen.__anext__()
+        await agen.aclose()
+        agen2 = loader.__aiter__()
+        await agen2.__anext__()
+        del agen2  # finalised by the loop's async-generator hooks
+
+    asyncio.run(main())
+    assert len(list(loader)) == 16
+    loader.close()
+
+
+KEYBOARD_SCRIPT = textwrap.dedent(
+    """
+    import sys, pathlib
+    sys.path.insert(0, {root!r})
+    import aioloader
+    from tests._datasets import SlowDataset
+
+    if __name__ == "__main__":
+        ready = pathlib.Path({ready!r})
+        loader = aioloader.DataLoader(SlowDataset(100000, 0.002), 8, num_workers=2)
+        for i, batch in enumerate(loader):
+            if i == 2:
+                ready.touch()
+    """
+)
+
+
+@pytest.mark.parametrize("face", ["for", "async-for"])
+def test_ctrl_c_prints_one_traceback_and_leaves_nothing(tmp_path: Path, face: str) -> None:
+    ready = tmp_path / "ready"
+    script = KEYBOARD_SCRIPT.format(root=str(Path(__file__).resolve().parents[1]), ready=str(ready))
+    if face == "async-for":
+        script = script.replace(
+            "        for i, batch in enumerate(loader):\n            if i == 2:\n                ready.touch()",
+            "        import asyncio\n"
+            "        async def main():\n"
+            "            i = 0\n"
+            "            async for batch in loader:\n"
+            "                i += 1\n"
+            "                if i == 3:\n"
+            "                    ready.touch()\n"
+            "        asyncio.run(main())",
+        )
+    path = tmp_path / "script.py"
+    path.write_text(script)
+    proc = subprocess.Popen(
+        [sys.executable, str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+    )
+    try:
+        wait_until(lambda: ready.exists() or proc.poll() is not None, 60.0, "the script's third batch")
+        assert proc.poll() is None, proc.communicate()
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole group
+        _out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = err.decode()
+    assert proc.returncode != 0
+    assert text.count("KeyboardInterrupt") == 1, text
+    assert "Traceback" in text and text.count("Traceback (most recent call last)") == 1, text
+    # nothing of the group is left
+    wait_until(lambda: not _group_alive(proc.pid), 20.0, "the script's process group to exit")
+
+
+def _group_alive(pgid: int) -> bool:
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.getpgid(int(entry)) == pgid:
+                    with open(f"/proc/{entry}/stat") as f:
+                        if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                            return True
+            except (ProcessLookupError, OSError):
+                pass
+    return False
+
+
+# ----------------------------------------------------------------------- bad parameters
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "words"),
+    [
+        ({"batch_size": -1}, ValueError, "batch_size"),
+        ({"batch_size": 0}, ValueError, "batch_size"),
+        ({"last_batch": "sometimes"}, ValueError, "last_batch"),
+        ({"num_workers": 2, "prefetch": 0}, ValueError, "prefetch"),
+        ({"num_workers": -1}, ValueError, "num_workers"),
+        ({"batch_sampler": [[0]], "batch_size": 4}, ValueError, "batch_size"),
+        ({"batch_sampler": [[0]], "shuffle": True}, ValueError, "shuffle"),
+        ({"batch_sampler": [[0]], "drop_last": True}, ValueError, "drop_last"),
+        ({"sampler": [0, 1], "shuffle": True}, ValueError, "shuffle"),
+        ({"collate_fn": 3}, TypeError, "collate_fn"),
+        ({"worker_init_fn": "x"}, TypeError, "worker_init_fn"),
+        ({"num_workers": 1, "mp_context": "teleport"}, ValueError, "teleport"),
+        ({"timeout": 0}, ValueError, "timeout"),
+        ({"on_error": "ignore"}, ValueError, "on_error"),
+        ({"shard": (2, 2)}, ValueError, "shard"),
+        ({"shard_policy": "even"}, ValueError, "shard_policy"),
+        ({"transport": "carrier-pigeon"}, ValueError, "transport"),
+        ({"seed": -3}, ValueError, "seed"),
+        ({"drop_last": True, "last_batch": "rollover"}, ValueError, "drop_last"),
+    ],
+)
+def test_bad_arguments_name_the_parameter(kwargs, exc, words) -> None:
+    with pytest.raises(exc, match=words):
+        aioloader.DataLoader(RangeDataset(4), **kwargs)
+
+
+def test_not_a_dataset() -> None:
+    with pytest.raises(TypeError, match="map-style"):
+        aioloader.DataLoader(iter(range(3)))
+
+
+class LocalLambdaDataset(RangeDataset):
+    def __init__(self) -> None:
+        super().__init__(4)
+        self.fn = lambda x: x
+
+
+def test_unpicklable_dataset_fails_before_any_worker_starts(collect) -> None:
+    before = descendant_workers()
+    with aioloader.DataLoader(LocalLambdaDataset(), 2, num_workers=2) as loader:
+        with pytest.raises(aioloader.DatasetPickleError, match="dataset") as info:
+            collect(loader)
+        assert "module level" in str(info.value)
+        assert not (descendant_workers() - before)
+
+
+def test_every_error_class_pickles() -> None:
+    for name in errors.__all__:
+        cls = getattr(errors, name)
+        err = cls("message", indices=[1, 2], exitcode=-9)
+        back = pickle.loads(pickle.dumps(err))
+        assert type(back) is cls and str(back) == "message" and back.indices == [1, 2]
+        assert isinstance(back, aioloader.AioLoaderError)
+
+
+# ----------------------------------------------------------------------------- no leaks
+def test_two_hundred_lifecycles_leak_nothing(tmp_path: Path) -> None:
+    fds0 = len(os.listdir("/proc/self/fd"))
+    threads0 = threading.active_count()
+    procs0 = descendant_workers()
+    shm0 = shm_entries()
+    kinds = ["full", "break", "error", "close-mid", "gc", "async-break", "crash", "timeout"]
+    for k in range(200):
+        kind = kinds[k % len(kinds)]
+        workers = 1 + (k % 2)
+        if kind == "crash":
+            d = tmp_path / f"c{k}"
+            d.mkdir()
+            ds: object = CrashDataset(12, {5}, str(d))
+        elif kind == "timeout":
+            ds = HangDataset(12, 5, str(tmp_path / f"h{k}"))
+        elif kind == "error":
+            ds = FailingDataset(12, {7})
+        else:
+            ds = RangeDataset(12)
+        loader = aioloader.DataLoader(ds, 4, num_workers=workers, timeout=0.3 if kind == "timeout" else None)
+        if kind in ("full", "crash"):
+            assert len(list(loader)) == 3
+        elif kind == "break":
+            for _ in loader:
+                break
+        elif kind == "error":
+            with pytest.raises(KeyError):
+                list(loader)
+        elif kind == "timeout":
+            with pytest.raises(aioloader.LoaderTimeout):
+                list(loader)
+        elif kind == "close-mid":
+            it = iter(loader)
+            next(it)
+            loader.close()
+            with pytest.raises(aioloader.LoaderClosedError):
+                list(it)
+        elif kind == "async-break":
+
+            async def brk(ld: aioloader.DataLoader) -> None:
+                async for _ in ld:
+                    break
+
+            asyncio.run(brk(loader))
+        if kind == "gc":
+            next(iter(loader))
+            del loader
+            gc.collect()
+        else:
+            loader.close()
+        if k == len(kinds) - 1:
+            # after one round of each kind: the interpreter's own helpers (forkserver,
+            # resource tracker) hold their descriptors from here on
+            gc.collect()
+            fds0 = len(os.listdir("/proc/self/fd"))
+    gc.collect()
+    wait_until(lambda: not (descendant_workers() - procs0), 20.0, "every worker to exit")
+    wait_until(lambda: threading.active_count() <= threads0, 10.0, "threads to exit")
+    assert shm_entries() <= shm0
+    assert len(os.listdir("/proc/self/fd")) <= fds0
