@@ -66,13 +66,6 @@ class AugmentedDataset(RangeDataset):
         return base + noise, i
 
 
-class TorchAugmentedDataset(RangeDataset):
-    def __getitem__(self, i: int) -> Any:
-        import torch
-
-        return torch.rand(3) + i, i
-
-
 class FailingDataset(RangeDataset):
     """Raises ``exc_type`` at the chosen indices."""
 
@@ -207,3 +200,18 @@ class StatefulSampler:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.rng.bit_generator.state = state["rng"]
+
+
+class AugmentedCrashDataset(AugmentedDataset):
+    """AugmentedDataset whose worker dies the first time it loads ``crash_at``."""
+
+    def __init__(self, n: int, crash_at: int, marker: str) -> None:
+        super().__init__(n)
+        self.crash_at = crash_at
+        self.marker = marker
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
+        if i == self.crash_at and not os.path.exists(self.marker):
+            Path(self.marker).touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().__getitem__(i)
