@@ -1,4 +1,4 @@
-"""Command line: ``python -m aioloader {demo,pack,inspect,bench} ...``."""
+"""Command line: ``python -m aioloader {demo,pack,inspect} ...``."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ commands:
   demo      two epochs of JPEG decode + augmentation on a synthetic dataset
   pack      pack an image folder into an MXNet-compatible .rec/.idx pair
   inspect   summarise a .rec file
-  bench     measure a dataset factory under several worker/prefetch settings
 """
 
 
@@ -33,13 +32,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ._cli_pack import inspect_main
 
         return inspect_main(rest)
-    if cmd == "bench":
-        try:
-            from ._bench import bench_main
-        except ImportError:
-            print("bench is not available in this build", file=sys.stderr)
-            return 2
-        return bench_main(rest)
     print(f"unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 

@@ -83,7 +83,7 @@ def demo_main(argv: Sequence[str] | None = None) -> int:
                 images += len(labels)
                 assert batch.shape[1:] == (224, 224, 3) and batch.dtype == np.uint8
             elapsed = time.perf_counter() - start
-            first = loader.stats().epochs[-1].first_batch_s
+            first = loader.stats().epochs[-1].first_batch_s or 0.0
             print(
                 f"epoch {epoch}: {images} images in {elapsed:.2f} s = {images / elapsed:,.0f} images/s; "
                 f"first batch after {first * 1000:.0f} ms; worker pids {loader.worker_pids()}"

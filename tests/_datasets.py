@@ -215,3 +215,27 @@ class AugmentedCrashDataset(AugmentedDataset):
             Path(self.marker).touch()
             os.kill(os.getpid(), signal.SIGKILL)
         return super().__getitem__(i)
+
+
+class KillableDataset(RangeDataset):
+    """Sample ``gate_at``, the first time it is loaded (no ``marker`` file yet), writes the
+    pid of its worker to ``marker`` and then blocks until that worker is killed: a test
+    waits for the file and kills the pid, so the kill lands while the batch is running.
+    Later loads of ``gate_at`` (the retry, once the file exists) return at once."""
+
+    def __init__(self, n: int, gate_at: int, marker: str) -> None:
+        super().__init__(n)
+        self.gate_at = gate_at
+        self.marker = marker
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
+        if i == self.gate_at and not os.path.exists(self.marker):
+            tmp = f"{self.marker}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                f.write(str(os.getpid()))
+            os.replace(tmp, self.marker)  # the test sees the whole pid or nothing
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                time.sleep(0.01)  # waiting to be killed by the test, not synchronising
+            raise RuntimeError(f"worker {os.getpid()} holding sample {i} was never killed")
+        return super().__getitem__(i)

@@ -62,7 +62,7 @@ def test_batches_match_reference(collect, num_workers, ordered, last_batch, shuf
             got = collect(loader)
             if ordered:
                 assert len(got) == len(expected[epoch])
-                for batch, indices in zip(got, expected[epoch]):
+                for batch, indices in zip(got, expected[epoch], strict=True):
                     check_batch(batch, indices)
             else:
                 as_lists = sorted(b[1].tolist() for b in got)
@@ -161,15 +161,11 @@ def test_in_flight_bound_recorded_in_workers(collect, tmp_path: Path, prefetch: 
     total = n // bs
     seen: list[int] = []
 
-    class Checked:
-        def __init__(self, loader: aioloader.DataLoader) -> None:
-            self.loader = loader
-
     with aioloader.DataLoader(RecordingDataset(n, str(log)), bs, num_workers=2, prefetch=prefetch) as loader:
         it = iter(loader)
         for taken in range(total):
             bound = min(taken + prefetch, total)
-            wait_until(lambda: fetched_batches() >= bound, 20.0, f"{bound} batches fetched")
+            wait_until(lambda b=bound: fetched_batches() >= b, 20.0, f"{bound} batches fetched")
             seen.append(fetched_batches())
             assert fetched_batches() <= bound, (taken, fetched_batches(), bound)
             next(it)
@@ -376,8 +372,10 @@ def test_stats_count_batches_and_samples() -> None:
     assert [e.batches for e in st.epochs] == [4, 4]
     assert st.in_flight == 0
     assert st.latency_p50_s is not None and st.latency_p99_s >= st.latency_p50_s
-    with pytest.raises(Exception):
-        st.batches = 3  # frozen
+    import dataclasses
+
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        st.batches = 3  # type: ignore[misc]
 
 
 def test_uvloop_and_asyncio_loops(collect) -> None:

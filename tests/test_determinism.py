@@ -299,7 +299,7 @@ def test_distributed_sampler_for_other_loaders() -> None:
     for s in samplers:
         s.set_epoch(4)
     parts = [list(s) for s in samplers]
-    assert all(len(p) == len(s) == 4 for p, s in zip(parts, samplers))
+    assert all(len(p) == len(s) == 4 for p, s in zip(parts, samplers, strict=True))
     assert set().union(*map(set, parts)) == set(range(10))
     with pytest.raises(ValueError, match="rank"):
         aioloader.DistributedSampler(10, 3, 3)

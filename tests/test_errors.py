@@ -13,7 +13,6 @@ import textwrap
 import threading
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 import aioloader
@@ -62,9 +61,6 @@ def test_dataset_exception_keeps_type_message_and_names_the_sample(collect, num_
 def test_batches_before_the_error_are_delivered(collect) -> None:
     got = []
     with aioloader.DataLoader(FailingDataset(20, {13}), 4, num_workers=2) as loader:
-
-        class Tap(list):
-            pass
 
         with pytest.raises(KeyError):
             for b in loader:
@@ -234,7 +230,7 @@ def test_close_while_another_thread_iterates(tmp_path: Path) -> None:
             for _ in loader:
                 pass
             outcome.append("finished")
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:
             outcome.append(exc)
 
     t = threading.Thread(target=consume)
