@@ -1,4 +1,4 @@
-"""Command line: ``python -m aioloader {demo,pack,inspect} ...``."""
+"""Command line: ``python -m aioloader {demo,pack,inspect,bench} ...``."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ commands:
   demo      two epochs of JPEG decode + augmentation on a synthetic dataset
   pack      pack an image folder into an MXNet-compatible .rec/.idx pair
   inspect   summarise a .rec file
+  bench     measure a dataset factory under several num_workers/prefetch settings
 """
 
 
@@ -28,6 +29,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ._cli_pack import pack_main
 
         return pack_main(rest)
+    if cmd == "bench":
+        from ._bench import bench_main
+
+        return bench_main(rest)
     if cmd == "inspect":
         from ._cli_pack import inspect_main
 

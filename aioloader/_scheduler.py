@@ -337,7 +337,7 @@ class Dispatcher:
                 with_payload = True
                 self.recorder.retries += 1
                 continue
-            self.recorder.finished(res.pid, res.start_ns, res.end_ns, submit_ns, time.monotonic_ns())
+            self.recorder.finished(res.pid, res.start_ns, res.end_ns, submit_ns, time.monotonic_ns(), label)
             return res
 
     def _timeout_error(self, label: str, indices: Any) -> LoaderTimeout:

@@ -6,11 +6,14 @@ any thread at any time (it may be one batch stale, never torn into nonsense).
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from ._trace import Tracer
 
 __all__ = ["EpochStats", "LoaderStats", "Recorder"]
 
@@ -81,6 +84,7 @@ class Recorder:
     workers_seen: set[int] = field(default_factory=set)
     latencies: deque[int] = field(default_factory=lambda: deque(maxlen=10_000))
     epochs: deque[_Epoch] = field(default_factory=lambda: deque(maxlen=1_000))
+    tracer: Tracer | None = None
 
     def epoch_started(self, epoch: int) -> _Epoch:
         rec = _Epoch(epoch, time.monotonic_ns())
@@ -92,10 +96,12 @@ class Recorder:
         if self.first_submit_ns is None:
             self.first_submit_ns = now
 
-    def finished(self, pid: int, start_ns: int, end_ns: int, submit_ns: int, now: int) -> None:
+    def finished(self, pid: int, start_ns: int, end_ns: int, submit_ns: int, now: int, label: str = "") -> None:
         self.busy_ns += end_ns - start_ns
         self.workers_seen.add(pid)
         self.latencies.append(now - submit_ns)
+        if self.tracer is not None:
+            self.tracer.span(label or "task", pid, "batches", start_ns, end_ns, {"latency_ms": (now - submit_ns) / 1e6})
 
     def released(self) -> None:
         self.in_flight -= 1
@@ -108,6 +114,8 @@ class Recorder:
         ep.stall_ns += waited_ns
         if ep.first_ns is None:
             ep.first_ns = now - ep.started_ns
+        if self.tracer is not None:
+            self.tracer.span(f"wait (epoch {ep.epoch})", os.getpid(), "consumer", now - waited_ns, now)
 
     def snapshot(self, restarts: int, concurrency: int) -> LoaderStats:
         lat = np.fromiter(list(self.latencies), dtype=np.int64)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import contextlib
 import enum
+import os
 import pickle
 import secrets
 import threading
@@ -24,6 +26,7 @@ from ._portal import Portal
 from ._sampler import BatchPlanner, EpochPlan, LastBatch, ShardPolicy
 from ._scheduler import EpochRun, RunConfig
 from ._stats import LoaderStats, Recorder
+from ._trace import Tracer
 from ._transport import Transport, TransportKind, make_transport
 from .errors import DatasetPickleError, LoaderClosedError, StateDictError
 
@@ -117,6 +120,8 @@ class DataLoader:
             current epoch's last ones are in flight (within the same ``prefetch`` bound).
         seed_samples: seed ``random``/numpy/torch before every sample (see
             :func:`~aioloader.sample_rng`).
+        trace: write a Chrome trace-event file here when the loader closes (see
+            :meth:`tracing` to trace a part of a run).
     """
 
     def __init__(
@@ -147,6 +152,7 @@ class DataLoader:
         executor: cf.Executor | None = None,
         prefetch_next_epoch: bool = True,
         seed_samples: bool = True,
+        trace: str | os.PathLike[str] | None = None,
     ) -> None:
         if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
             raise TypeError(
@@ -279,6 +285,8 @@ class DataLoader:
         self._runs: weakref.WeakSet[EpochRun] = weakref.WeakSet()
         self._spec: tuple[EpochRun, EpochPlan] | None = None
         self._recorder = Recorder()
+        if trace is not None:
+            self._recorder.tracer = Tracer(trace)
         self._portal_box: list[Portal | None] = [None]
         self._finalizer = weakref.finalize(
             self,
@@ -288,6 +296,7 @@ class DataLoader:
             self._token,
             self._portal_box,
             self._transport,
+            self._recorder,
         )
 
     # ------------------------------------------------------------------ lifecycle
@@ -298,7 +307,12 @@ class DataLoader:
         token: str,
         portal_box: list[Portal | None],
         transport: Transport,
+        recorder: Recorder,
     ) -> None:
+        tracer = recorder.tracer
+        if tracer is not None:
+            recorder.tracer = None
+            tracer.write()
         portal = portal_box[0]
         portal_box[0] = None
         if portal is not None:
@@ -716,6 +730,19 @@ class DataLoader:
     def stats(self) -> LoaderStats:
         """A frozen snapshot of the loader's statistics (cheap; always on)."""
         return self._recorder.snapshot(self._pool.restarts, self._pool.concurrency)
+
+    @contextlib.contextmanager
+    def tracing(self, path: str | os.PathLike[str]) -> Iterator[Tracer]:
+        """Record a Chrome trace of what happens inside the ``with`` block; the file is
+        written when the block exits."""
+        tracer = Tracer(path)
+        previous = self._recorder.tracer
+        self._recorder.tracer = tracer
+        try:
+            yield tracer
+        finally:
+            self._recorder.tracer = previous
+            tracer.write()
 
     @property
     def pool(self) -> WorkerPool:

@@ -239,3 +239,8 @@ class KillableDataset(RangeDataset):
                 time.sleep(0.01)  # waiting to be killed by the test, not synchronising
             raise RuntimeError(f"worker {os.getpid()} holding sample {i} was never killed")
         return super().__getitem__(i)
+
+
+def small_bench_dataset() -> SlowDataset:
+    """Factory for ``python -m aioloader bench tests._datasets:small_bench_dataset``."""
+    return SlowDataset(96, 0.0005)
