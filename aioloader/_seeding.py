@@ -17,7 +17,7 @@ import threading
 
 import numpy as np
 
-__all__ = ["sample_key", "sample_rng", "seed_sample"]
+__all__ = ["sample_key", "sample_rng", "sample_seed", "seed_sample"]
 
 
 class _Local(threading.local):
@@ -34,15 +34,38 @@ def _entropy(seed: int, epoch: int, index: int) -> list[int]:
     return [seed, epoch, index if index >= 0 else (1 << 64) + index]
 
 
+_M64 = (1 << 64) - 1
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finaliser: a cheap, well-spread 64-bit hash."""
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """The 64-bit seed of one sample: a pure function of ``(seed, epoch, index)``."""
+    return _mix(_mix(_mix(seed & _M64) ^ (epoch & _M64)) ^ (index & _M64))
+
+
 def seed_sample(seed: int, epoch: int, index: int) -> None:
-    """Seed ``random``, ``numpy.random`` and torch (if imported) for one sample."""
-    state = np.random.SeedSequence(_entropy(seed, epoch, index)).generate_state(2, np.uint32)
-    s64 = (int(state[0]) << 32) | int(state[1])
+    """Seed ``random``, ``numpy.random`` and torch (if imported) for one sample.
+
+    Kept cheap because it runs before every sample: a pure-Python hash, ``random.seed``
+    with an int, ``numpy.random.seed`` with a 32-bit int, and torch's CPU generator
+    directly (``torch.manual_seed`` also visits every accelerator backend and costs ~100x
+    more).
+    """
+    s64 = sample_seed(seed, epoch, index)
     random.seed(s64)
-    np.random.seed(state)
+    np.random.seed(s64 & 0xFFFF_FFFF)
     torch = sys.modules.get("torch")
     if torch is not None:
-        torch.manual_seed(s64 & 0x7FFF_FFFF_FFFF_FFFF)
+        gen = getattr(torch, "default_generator", None)
+        if gen is not None:
+            gen.manual_seed(s64 >> 1)
     _local.key = (seed, epoch, index)
     _local.rng = None
 
