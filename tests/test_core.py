@@ -327,7 +327,7 @@ def test_seed_none_draws_and_exposes_seed() -> None:
 
 
 def test_torch_dataset_and_sampler_work_unchanged(collect) -> None:
-    torch = pytest.importorskip("torch")
+    import torch
     from torch.utils.data import Dataset, DistributedSampler
 
     class TorchDS(Dataset):
@@ -379,7 +379,7 @@ def test_stats_count_batches_and_samples() -> None:
 
 
 def test_uvloop_and_asyncio_loops(collect) -> None:
-    uvloop = pytest.importorskip("uvloop")
+    import uvloop
     with aioloader.DataLoader(RangeDataset(9), 3, num_workers=1) as loader:
 
         async def main() -> list[int]:
