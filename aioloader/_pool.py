@@ -135,12 +135,9 @@ class WorkerPool:
         self._gen_count = 0
         self._closed = False
         self.restarts = 0
-        self._finalizer = weakref.finalize(self, WorkerPool._shutdown_gen, self._holder())
-
-    # The finalizer must not reference self; it gets a mutable box holding the generation.
-    def _holder(self) -> list[Generation | None]:
+        # The finalizer must not reference self: it gets a box holding the live generation.
         self._box: list[Generation | None] = [None]
-        return self._box
+        self._finalizer = weakref.finalize(self, WorkerPool._shutdown_gen, self._box)
 
     @property
     def closed(self) -> bool:
