@@ -14,6 +14,7 @@ from ._stats import LoaderStats as LoaderStats
 from .errors import AioLoaderError as AioLoaderError
 from .errors import CollateError as CollateError
 from .errors import DatasetPickleError as DatasetPickleError
+from .errors import ImageDecodeError as ImageDecodeError
 from .errors import LoaderClosedError as LoaderClosedError
 from .errors import LoaderTimeout as LoaderTimeout
 from .errors import PoolBrokenError as PoolBrokenError
@@ -33,6 +34,7 @@ __all__ = [
     "DatasetPickleError",
     "DistributedSampler",
     "EpochStats",
+    "ImageDecodeError",
     "LoaderClosedError",
     "LoaderStats",
     "LoaderTimeout",

@@ -21,7 +21,7 @@ import numpy as np
 import numpy.typing as npt
 from PIL import Image
 
-from .errors import AioLoaderError, RecordIOError
+from .errors import ImageDecodeError, RecordIOError
 from .recordio import IndexedRecordReader, StrPath, unpack_header
 
 __all__ = [
@@ -48,18 +48,6 @@ IMG_EXTENSIONS: tuple[str, ...] = (
 
 Transform: TypeAlias = Callable[[Image.Image], Any]
 Label: TypeAlias = "np.float32 | npt.NDArray[np.float32]"
-
-
-class ImageDecodeError(AioLoaderError, OSError):
-    """A file or record could not be decoded as an image.
-
-    The message names the file (and the record key, for record files) and says what
-    Pillow reported; the original exception is the ``__cause__``. Attributes: ``path``
-    and ``key`` (``None`` for image folders).
-    """
-
-    path: str
-    key: int | None
 
 
 def _decode_rgb(source: str | bytes, *, path: str, key: int | None) -> Image.Image:

@@ -18,7 +18,8 @@ The tree::
     ├── CollateError             (also ValueError)    samples that do not stack together
     ├── DatasetPickleError       (also TypeError)     the dataset (or collate_fn...) won't pickle
     ├── StateDictError           (also ValueError)    a state dict from an incompatible loader
-    └── RecordIOError            (also ValueError)    a malformed .rec/.idx file
+    ├── RecordIOError            (also ValueError)    a malformed .rec/.idx file
+    └── ImageDecodeError         (also OSError)       a file or record is not a decodable image
 
 Every class pickles and unpickles with its message and attributes intact, so an error
 raised inside a worker process arrives whole. Construction follows one rule: the first
@@ -34,6 +35,7 @@ __all__ = [
     "AioLoaderError",
     "CollateError",
     "DatasetPickleError",
+    "ImageDecodeError",
     "LoaderClosedError",
     "LoaderTimeout",
     "PoolBrokenError",
@@ -130,3 +132,15 @@ class StateDictError(AioLoaderError, ValueError):
 
 class RecordIOError(AioLoaderError, ValueError):
     """A RecordIO file is malformed. Attributes: ``path``, ``key``, ``offset`` (when known)."""
+
+
+class ImageDecodeError(AioLoaderError, OSError):
+    """A file or record could not be decoded as an image (built-in datasets).
+
+    The message names the file (and the record key, for record files) and what Pillow
+    reported; the original exception is the ``__cause__``. Attributes: ``path`` and
+    ``key`` (``None`` for image folders).
+    """
+
+    path: str
+    key: int | None
