@@ -20,10 +20,13 @@ from .errors import LoaderTimeout as LoaderTimeout
 from .errors import PoolBrokenError as PoolBrokenError
 from .errors import RecordIOError as RecordIOError
 from .errors import RemoteError as RemoteError
+from .errors import SharedMemoryError as SharedMemoryError
+from .errors import ShmFallbackWarning as ShmFallbackWarning
 from .errors import StateDictError as StateDictError
 from .errors import TooManySkippedError as TooManySkippedError
 from .errors import WorkerCrashedError as WorkerCrashedError
 from .loader import DataLoader as DataLoader
+from .stream import StreamLoader as StreamLoader
 
 __version__ = "0.1.0"
 
@@ -41,7 +44,10 @@ __all__ = [
     "PoolBrokenError",
     "RecordIOError",
     "RemoteError",
+    "SharedMemoryError",
+    "ShmFallbackWarning",
     "StateDictError",
+    "StreamLoader",
     "TooManySkippedError",
     "WorkerCrashedError",
     "WorkerPool",

@@ -22,6 +22,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from . import _worker
 from ._pool import Generation, WorkerPool
 from ._stats import Recorder, _Epoch
@@ -139,13 +141,16 @@ class EpochRun:
     async def _fetch(self, pos: int, indices: Any) -> tuple[int, _worker.BatchResult]:
         cfg = self.cfg
 
+        # Raw int64 bytes pickle ~5x faster than a numpy array (it runs for every batch).
+        packed = np.asarray(indices, dtype=np.int64).tobytes()
+
         def make_task(task_id: int, with_payload: bool) -> _worker.BatchTask:
             return _worker.BatchTask(
                 cfg.token,
                 task_id,
                 self.epoch,
                 pos,
-                indices,
+                packed,
                 cfg.seed,
                 cfg.payload() if with_payload else None,
             )

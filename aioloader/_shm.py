@@ -9,7 +9,8 @@ Vocabulary
     *ticket* of the batch occupying it.
 *arena*
     A worker's slabs for one consumer process: created lazily, reused for every later
-    batch, at most ``max_slabs`` of them (``2 * prefetch + 2``).
+    batch, at most ``max_slabs`` of them (``2 * prefetch + 2``); a slab left unused for
+    ``4 * max_slabs`` batches is dropped, so an arena follows its working set.
 *descriptor*
     What crosses the executor's pipe instead of the arrays: slab name, ticket, and the
     batch's structure with a placeholder for every array leaf (offset, shape, dtype).
@@ -19,8 +20,9 @@ Ownership rules
 1. **Workers create.** A worker creates a slab with ``os.open(O_CREAT | O_EXCL, 0o600)``
    on ``/dev/shm``, reserves its pages with ``posix_fallocate`` (so a full ``/dev/shm``
    is an ``ENOSPC`` error at creation, never a ``SIGBUS`` while writing), maps it and
-   closes the fd at once. The resource tracker is never involved: in 3.11 it would
-   register the segment again in every attaching process and unlink it twice.
+   closes the fd at once (libc ``mmap``: ``mmap.mmap`` would keep a duplicate fd per
+   slab). The resource tracker is never involved: in 3.11 it would register the segment
+   again in every attaching process and unlink it twice.
 2. **The consumer unlinks on arrival.** When a descriptor is unpickled in the consumer
    (in the executor's result thread, before anyone awaits it) the consumer maps the
    slab, the first time it sees it, and unlinks its name. From then on the slab has no
@@ -82,7 +84,7 @@ import time
 import warnings
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,7 +92,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ._collate import default_collate
-from .errors import AioLoaderError, CollateError
+from .errors import CollateError, SharedMemoryError, ShmFallbackWarning
 
 __all__ = [
     "CAPACITY_ENV",
@@ -122,13 +124,6 @@ FOREIGN_GRACE_S = 60.0
 #: when a transport is made, and shipped to the workers with the encoder.
 capacity_override: int | None = None
 
-
-class ShmFallbackWarning(UserWarning):
-    """Shared memory could not carry a loader's batches; they are pickled instead."""
-
-
-class SharedMemoryError(AioLoaderError, RuntimeError):
-    """A batch's shared-memory slab could not be mapped or was not in the expected state."""
 
 
 def _enlarge_advice() -> str:
@@ -264,7 +259,14 @@ def _lib() -> Any:
     if _libc is None:
         lib = ctypes.CDLL(None, use_errno=True)
         lib.mmap.restype = ctypes.c_void_p
-        lib.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64]
+        lib.mmap.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int64,
+        ]
         lib.munmap.restype = ctypes.c_int
         lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
         _libc = lib
@@ -378,7 +380,7 @@ def _build(obj: Any, views: Sequence[np.ndarray]) -> Any:
     values = [_build(v, views) for v in obj.values]
     cls = obj.cls
     if obj.keys is not None:
-        return cls(zip(obj.keys, values))
+        return cls(zip(obj.keys, values, strict=True))
     if cls is list:
         return values
     if cls is tuple:
@@ -390,10 +392,10 @@ def _node(obj: Any, values: list[Any]) -> Any:
     """The :class:`_Node` for container ``obj`` with new ``values``, or ``obj`` itself
     when no value changed (no leaf below)."""
     if isinstance(obj, Mapping):
-        if all(v is o for v, o in zip(values, obj.values())):
+        if all(v is o for v, o in zip(values, obj.values(), strict=True)):
             return obj
         return _Node(type(obj), tuple(obj.keys()), values)
-    if all(v is o for v, o in zip(values, obj)):
+    if all(v is o for v, o in zip(values, obj, strict=True)):
         return obj
     return _Node(type(obj), None, values)
 
@@ -444,7 +446,7 @@ class _Arena:
         self.seq = itertools.count()
         self.tickets = itertools.count(1)
         self.slabs: list[_WSlab] = []
-        self.names: set[str] = set()  # every name created; most already unlinked by the consumer
+        self.names: set[str] = set()  # names of our slabs; most already unlinked by the consumer
         self.retired: list[str] = []  # slabs dropped here; the consumer should drop its mapping too
         self.lock = threading.Lock()
         self.dead = False
@@ -499,14 +501,14 @@ class _Arena:
             if self.dead:
                 return None, None
             ticket = next(self.tickets)
-            slab = self._pick(need, cfg, ticket)
+            slab = self._pick(need, cfg)
             if slab is None or isinstance(slab, str):
                 return None, slab
             slab.state[0] = slab.last = ticket
             self._trim(ticket, 4 * cfg.max_slabs)
             return slab, None
 
-    def _pick(self, need: int, cfg: ShmConfig, ticket: int) -> _WSlab | str | None:
+    def _pick(self, need: int, cfg: ShmConfig) -> _WSlab | str | None:
         best: _WSlab | None = None
         for s in self.slabs:
             if s.capacity - HEADER >= need and s.free() and (best is None or s.capacity < best.capacity):
@@ -548,6 +550,7 @@ class _Arena:
         self.slabs.remove(slab)
         self.retired.append(slab.name)  # the consumer drops its mapping with the next batch
         _unlink(slab.name)  # long gone unless it never reached the consumer
+        self.names.discard(slab.name)
 
     def _room(self, cap: int, cfg: ShmConfig, victim: _WSlab | None) -> str | None:
         st = os.statvfs(SHM_DIR)
@@ -571,7 +574,9 @@ class _Arena:
     def _create(self, cap: int) -> _WSlab:
         name = f"{PREFIX}{self.consumer_pid}_{os.getpid()}_{self.nonce}_{next(self.seq)}"
         path = os.path.join(SHM_DIR, name)
-        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+        flags = (
+            os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+        )
         fd = os.open(path, flags, 0o600)
         self.names.add(name)
         try:
@@ -637,9 +642,9 @@ class ShmBatch:
         )
 
 
-def _layout(metas: Sequence[tuple[tuple[int, ...], np.dtype[Any], bool]]) -> tuple[
-    tuple[tuple[int, tuple[int, ...], np.dtype[Any], bool], ...], int
-]:
+def _layout(
+    metas: Sequence[tuple[tuple[int, ...], np.dtype[Any], bool]],
+) -> tuple[tuple[tuple[int, tuple[int, ...], np.dtype[Any], bool], ...], int]:
     specs = []
     off = 0
     for shape, dtype, fortran in metas:
@@ -710,7 +715,7 @@ class ShmEncoder:
         slab = self.acquire(used)
         if slab is None:
             return self.fallback(batch)
-        for (off, shape, dtype, fortran), a in zip(specs, leaves):
+        for (off, shape, dtype, fortran), a in zip(specs, leaves, strict=True):
             np.copyto(slab.array(off, shape, dtype, fortran), a, casting="no")
         return self.describe(slab, tree, specs, used)
 
@@ -745,7 +750,7 @@ class ShmCollate:
         slab = enc.acquire(used)
         if slab is None:
             return _build(tree, [default_collate(list(arrays)) for arrays, _, _ in pending])
-        for (off, shape, dtype, _), (arrays, _, _) in zip(specs, pending):
+        for (off, shape, dtype, _), (arrays, _, _) in zip(specs, pending, strict=True):
             out = slab.array(off, shape, dtype, False)
             for k, a in enumerate(arrays):
                 out[k] = a
@@ -755,7 +760,11 @@ class ShmCollate:
         """Mirror of ``_collate``'s dispatch for arrays and containers; large stacks are
         left as placeholders to be written into the slab."""
         elem = samples[0]
-        if hasattr(elem, "__array_interface__") and hasattr(elem, "mode") and not isinstance(elem, np.ndarray):
+        if (
+            hasattr(elem, "__array_interface__")
+            and hasattr(elem, "mode")
+            and not isinstance(elem, np.ndarray)
+        ):
             samples = [np.asarray(s) for s in samples]  # PIL images, as default_collate does
             elem = samples[0]
         if isinstance(elem, np.ndarray):
@@ -778,7 +787,7 @@ class ShmCollate:
             values = [self._plan([s[k] for s in samples], pending) for k in keys]
             if any(type(v) in (_Leaf, _Node) for v in values):
                 return _Node(t, tuple(keys), values)
-            return t(zip(keys, values))
+            return t(zip(keys, values, strict=True))
         if t is tuple or t is list or _is_namedtuple(elem):
             size = len(elem)
             for s in samples:
@@ -798,7 +807,7 @@ class ShmCollate:
 class _CSlab:
     """The consumer's mapping of one slab (kept while its worker lives, rule 2)."""
 
-    __slots__ = ("__weakref__", "addr", "mapping", "name", "state", "worker_pid")
+    __slots__ = ("__weakref__", "addr", "mapping", "name", "owner_pid", "state", "worker_pid")
 
     def __init__(self, name: str, mapping: _Mapping, state: npt.NDArray[np.int64], worker_pid: int) -> None:
         self.name = name
@@ -806,11 +815,14 @@ class _CSlab:
         self.addr = mapping.addr
         self.state = state
         self.worker_pid = worker_pid
+        self.owner_pid = os.getpid()
 
     def release(self, ticket: int) -> None:
         # Only the consumer writes 0 and only for the ticket it holds, so a late or
-        # duplicate release can never free a slab that was handed out again.
-        if int(self.state[0]) == ticket:
+        # duplicate release can never free a slab that was handed out again. A process
+        # forked from the consumer (mp_context="fork" workers) inherits its batches and
+        # may drop them; that must not free the consumer's slabs.
+        if int(self.state[0]) == ticket and os.getpid() == self.owner_pid:
             self.state[0] = 0
 
 
@@ -845,7 +857,13 @@ class _Arrived:
 
     __slots__ = ("__weakref__", "error", "fin", "note", "pid", "slab", "specs", "ticket", "tree", "used")
 
-    def __init__(self) -> None:
+    def __init__(self, ticket: int, used: int, tree: Any, specs: Any, note: str | None, pid: int) -> None:
+        self.ticket = ticket
+        self.used = used
+        self.tree = tree
+        self.specs: tuple[tuple[int, tuple[int, ...], np.dtype[Any], bool], ...] = specs
+        self.note = note
+        self.pid = pid
         self.slab: _CSlab | None = None
         self.fin: Any = None  # weakref.finalize freeing the slab if nobody decodes this
         self.error: BaseException | None = None
@@ -883,8 +901,7 @@ def _arrive(
     """Unpickling a :class:`ShmBatch`. Runs in the executor's result thread, so it must
     never raise (an exception there would break the whole pool): errors are kept and
     raised by the decoder."""
-    a = _Arrived()
-    a.ticket, a.used, a.tree, a.specs, a.note, a.pid = ticket, used, tree, specs, note, pid
+    a = _Arrived(ticket, used, tree, specs, note, pid)
     try:
         if retired:
             _forget(retired)

@@ -55,7 +55,7 @@ class BatchTask(NamedTuple):
     task_id: int
     epoch: int
     position: int
-    indices: Any  # a 1-d integer numpy array or a list of ints
+    indices: Any  # int64 bytes (the loader's form), a 1-d integer array or a list of ints
     seed: int
     payload: bytes | None = None
 
@@ -252,7 +252,14 @@ def _where(task: BatchTask) -> str:
 
 
 def _build(ctx: WorkerContext, task: BatchTask) -> tuple[Any, tuple[tuple[int, str], ...]]:
-    indices: Sequence[int] = task.indices.tolist() if isinstance(task.indices, np.ndarray) else task.indices
+    raw = task.indices
+    indices: Sequence[int]
+    if isinstance(raw, bytes):
+        indices = np.frombuffer(raw, dtype=np.int64).tolist()
+    elif isinstance(raw, np.ndarray):
+        indices = raw.tolist()
+    else:
+        indices = raw
     dataset = ctx.dataset
     samples: list[Any] = []
     kept: list[int] = []

@@ -19,7 +19,11 @@ The tree::
     ├── DatasetPickleError       (also TypeError)     the dataset (or collate_fn...) won't pickle
     ├── StateDictError           (also ValueError)    a state dict from an incompatible loader
     ├── RecordIOError            (also ValueError)    a malformed .rec/.idx file
-    └── ImageDecodeError         (also OSError)       a file or record is not a decodable image
+    ├── ImageDecodeError         (also OSError)       a file or record is not a decodable image
+    └── SharedMemoryError        (also RuntimeError)  a shared-memory batch could not be mapped
+
+And one warning: ``ShmFallbackWarning`` (a ``UserWarning``), issued once when shared
+memory cannot carry a loader's batches and they are pickled instead.
 
 Every class pickles and unpickles with its message and attributes intact, so an error
 raised inside a worker process arrives whole. Construction follows one rule: the first
@@ -41,6 +45,8 @@ __all__ = [
     "PoolBrokenError",
     "RecordIOError",
     "RemoteError",
+    "SharedMemoryError",
+    "ShmFallbackWarning",
     "StateDictError",
     "TooManySkippedError",
     "WorkerCrashedError",
@@ -144,3 +150,14 @@ class ImageDecodeError(AioLoaderError, OSError):
 
     path: str
     key: int | None
+
+
+class SharedMemoryError(AioLoaderError, RuntimeError):
+    """A batch's shared-memory slab could not be mapped or was not in the expected state."""
+
+
+class ShmFallbackWarning(UserWarning):
+    """Shared memory could not carry a loader's batches; they are pickled instead.
+
+    Issued once per loader, with advice on enlarging ``/dev/shm``.
+    """

@@ -52,6 +52,33 @@ def _check_choice(name: str, value: Any, choices: Sequence[str]) -> Any:
     return value
 
 
+class _Shared:
+    """State the loader shares with its epoch runs. Runs hold this, never the loader, so
+    a loader dropped while work is still pending on a loop is collected (and its
+    finalizer shuts everything down) at once."""
+
+    def __init__(self) -> None:
+        self.closed = False
+        self.payload: bytes | None = None
+
+    def get_payload(self) -> bytes | None:
+        return self.payload
+
+    def is_closed(self) -> bool:
+        return self.closed
+
+
+def _weak_callback(method: Callable[[EpochRun], None]) -> Callable[[EpochRun], None]:
+    ref = weakref.WeakMethod(method)
+
+    def call(run: EpochRun) -> None:
+        target = ref()
+        if target is not None:
+            target(run)
+
+    return call
+
+
 class _Resume:
     def __init__(self, epoch: int, done: set[int], carry: np.ndarray, sampler_state: Any) -> None:
         self.epoch = epoch
@@ -275,8 +302,8 @@ class DataLoader:
         )
         self._token = f"{uuid.uuid4().hex}"
         self._state = _State.OPEN
+        self._shared = _Shared()
         self._lock = threading.RLock()
-        self._payload: bytes | None = None
         self._prepared = False
         self._next_epoch = 0
         self._carry: np.ndarray = np.zeros(0, dtype=np.int64)
@@ -337,6 +364,7 @@ class DataLoader:
             if self._state is _State.CLOSED:
                 return
             self._state = _State.CLOSED
+            self._shared.closed = True
             runs = list(self._runs)
             self._spec = None
         portal = self._portal_box[0]
@@ -438,8 +466,8 @@ class DataLoader:
                     ),
                 )
             else:
-                self._payload = self._make_payload()
-                self._pool.register(self._token, self._payload)
+                self._shared.payload = self._make_payload()
+                self._pool.register(self._token, self._shared.payload)
             self._prepared = True
 
     # ------------------------------------------------------------------- planning
@@ -466,7 +494,7 @@ class DataLoader:
         return RunConfig(
             token=self._token,
             pool=self._pool,
-            payload=lambda: self._payload,
+            payload=self._shared.get_payload,
             seed=self.seed,
             prefetch=self.prefetch,
             ordered=self.ordered,
@@ -475,7 +503,7 @@ class DataLoader:
             max_skipped=self.max_skipped,
             decode=self._transport.decode,
             recorder=self._recorder,
-            is_closed=lambda: self._state is _State.CLOSED,
+            is_closed=self._shared.is_closed,
         )
 
     def _sampler_state(self) -> Any:
@@ -501,7 +529,9 @@ class DataLoader:
                     self._next_epoch += 1
                     self._carry = plan.carry_out
                     self._latest = _RunMeta(run, plan, set(), None)
-                    run.on_submitted_all = self._speculate
+                    run.on_submitted_all = _weak_callback(self._speculate)
+                    if run.submitted_all:  # short epoch: it finished submitting already
+                        self._speculate(run)
                     return run
                 self._close_soon(run)
             resume = self._resume
@@ -520,7 +550,7 @@ class DataLoader:
             run = EpochRun(self._run_config(), epoch, plan.batches, positions)
             self._runs.add(run)
             self._latest = _RunMeta(run, plan, set(done), sampler_state)
-            run.on_submitted_all = self._speculate
+            run.on_submitted_all = _weak_callback(self._speculate)
             run.start()
             return run
 

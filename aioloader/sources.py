@@ -52,46 +52,68 @@ async def read_files(
 ) -> AsyncIterator[tuple[P, bytes]]:
     """Yield ``(path, contents)`` for each path, in the order of ``paths``.
 
-    Up to ``concurrency`` files are read at once; ``paths`` (a sync or async iterable,
-    possibly infinite) is advanced only as far as those reads need, so a stream of
-    paths is pulled lazily. An ``OSError`` (a missing file, say) is raised when its turn
-    comes, with a note naming the path. Closing the generator waits for the reads already
-    started (at most ``concurrency``) and drops their results.
+    Up to ``concurrency`` files are read at once. ``paths`` (a sync or async iterable,
+    possibly infinite, possibly slow such as :func:`watch_folder`) is advanced only while
+    fewer than ``concurrency`` reads are pending, so it is pulled lazily, and a finished
+    read is yielded without waiting for the next path. A synchronous ``paths`` is
+    advanced on the event loop (it should not block). An ``OSError`` (a missing file, say)
+    is raised when its turn comes, with a note naming the path.
+
+    Closing the generator waits for the reads already started (at most ``concurrency``)
+    and drops their results, and closes ``paths`` when it is an async generator.
     """
     if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
         raise ValueError(f"concurrency must be an int >= 1, got {concurrency!r}")
     pending: collections.deque[tuple[P, asyncio.Task[bytes]]] = collections.deque()
     ait = paths.__aiter__() if isinstance(paths, AsyncIterable) else None
     sit = iter(paths) if not isinstance(paths, AsyncIterable) else None
+    next_path: asyncio.Future[P] | None = None
     exhausted = False
     try:
         while True:
-            while not exhausted and len(pending) < concurrency:
+            while not exhausted and next_path is None and len(pending) < concurrency:
+                if ait is not None:
+                    next_path = asyncio.ensure_future(ait.__anext__())
+                    break
+                assert sit is not None
                 try:
-                    if ait is not None:
-                        path = await ait.__anext__()
-                    else:
-                        assert sit is not None
-                        path = next(sit)
-                except (StopIteration, StopAsyncIteration):
+                    p = next(sit)
+                except StopIteration:
                     exhausted = True
                     break
-                pending.append((path, asyncio.ensure_future(_read_bytes(path))))
-            if not pending:
+                pending.append((p, asyncio.ensure_future(_read_bytes(p))))
+            if not pending and next_path is None:
                 return
+            waiting = {f for f in (next_path, pending[0][1] if pending else None) if f is not None}
+            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            if next_path is not None and next_path in done:
+                fut, next_path = next_path, None
+                try:
+                    p = fut.result()
+                except StopAsyncIteration:
+                    exhausted = True
+                else:
+                    pending.append((p, asyncio.ensure_future(_read_bytes(p))))
+                continue
             path, task = pending.popleft()
             try:
-                data = await task
+                data = task.result()
             except OSError as exc:
                 _add_note(exc, f"aioloader.sources.read_files: while reading {os.fspath(path)!r}")  # type: ignore[arg-type]
                 raise
             yield path, data
     finally:
+        if next_path is not None:
+            next_path.cancel()
+            await asyncio.gather(next_path, return_exceptions=True)
         # Not cancelled: a read cancelled while aiofiles opens the file in its thread
         # would leave that file to the garbage collector.
         tasks = [t for _, t in pending]
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+        aclose = getattr(ait, "aclose", None)
+        if aclose is not None:
+            await aclose()
 
 
 def follow_lines(

@@ -218,7 +218,9 @@ class _BufferedFeed(_Feed):
 class _TaskFeed(_BufferedFeed):
     """An async iterator or an ``asyncio.Queue``, pulled by a task on the loop."""
 
-    def __init__(self, pull: Callable[[], Awaitable[Any]], closer: Callable[[], Awaitable[Any]] | None) -> None:
+    def __init__(
+        self, pull: Callable[[], Awaitable[Any]], closer: Callable[[], Awaitable[Any]] | None
+    ) -> None:
         super().__init__()
         self._pull = pull
         self._closer = closer
@@ -267,7 +269,7 @@ class _TaskFeed(_BufferedFeed):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-        if self._closer is not None and self._started:
+        if self._closer is not None:  # started or not: the stream owns the iterator it took
             with contextlib.suppress(Exception):
                 await self._closer()
 
@@ -454,7 +456,6 @@ class _StreamRun:
         self.dispatcher = Dispatcher(cfg.pool, cfg.recorder, cfg.timeout, cfg.max_retries, cfg.is_closed)
         self.pulled = 0  # items taken from the source so far
         self.submitted = 0  # micro-batches handed to the pool so far
-        self.skipped: list[tuple[int, str]] = []
         self.closed = False
         self.finished = False
         self._pump: asyncio.Task[None] | None = None
@@ -595,8 +596,7 @@ class _StreamRun:
                 await self.aclose()
                 raise
             now = time.monotonic_ns()
-            if res.skipped:
-                self.skipped.extend(res.skipped)
+            if res.skipped:  # counted, not kept: an infinite stream must not grow a list
                 cfg.recorder.skipped += len(res.skipped)
             if res.data is None:  # every item of the micro-batch was skipped
                 self._take(entry)
@@ -609,9 +609,14 @@ class _StreamRun:
             return res.data
 
     async def _abort(self) -> None:
+        """The consumer saw ``CancelledError``: its own cancellation (re-raised by the
+        caller), or the run being closed under it (reported as the end, or as
+        :class:`LoaderClosedError` when the whole stream was closed)."""
         await self.aclose()
-        if self.cfg.is_closed() and not _cancelling():
-            raise LoaderClosedError("the StreamLoader was closed while it was being iterated") from None
+        if not _cancelling():
+            if self.cfg.is_closed():
+                raise LoaderClosedError("the StreamLoader was closed while it was being iterated") from None
+            raise StopAsyncIteration from None
 
     def _take(self, t: asyncio.Task[StreamResult]) -> None:
         if t in self.tasks:
@@ -693,9 +698,10 @@ class StreamLoader:
             micro-batch's items with ``batched_fn=True``. ``None``: items are collated
             as they are. With workers it must pickle (a module-level function).
         batch_size: most items in a batch.
-        max_latency: emit a partial batch once this many seconds have passed since its
-            first item was taken from the source. ``None``: wait for full batches.
-            Either way the last partial batch is emitted when the source ends.
+        max_latency: emit a partial batch once this many seconds have passed since it
+            received its first item. ``None``: wait for full batches. Either way the last
+            partial batch is emitted when the source ends. ``0`` takes what is already
+            waiting (in a queue, a collection, or pulled ahead) and never waits.
         batched_fn: call ``fn(items)`` once per micro-batch; it returns what
             ``collate_fn`` receives (for the default, a list of per-item results).
         collate_fn: turns the list of ``fn`` results into a batch, in the worker;
@@ -1066,4 +1072,3 @@ def _close_run_from_outside(run: _StreamRun) -> None:
         return
     with contextlib.suppress(cf.TimeoutError, cf.CancelledError, RuntimeError):
         fut.result(10.0)
-

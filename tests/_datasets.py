@@ -244,3 +244,16 @@ class KillableDataset(RangeDataset):
 def small_bench_dataset() -> SlowDataset:
     """Factory for ``python -m aioloader bench tests._datasets:small_bench_dataset``."""
     return SlowDataset(96, 0.0005)
+
+
+class HeavyDataset(RangeDataset):
+    """Carries ``nbytes`` of its own (a lookup table, say): the dataset is big, its
+    samples are not. Used to show that a batch task stays small anyway."""
+
+    def __init__(self, n: int, nbytes: int) -> None:
+        super().__init__(n)
+        self.table = np.ones(nbytes, dtype=np.uint8)
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
+        arr, idx = super().__getitem__(i)
+        return arr * self.table[i % len(self.table)], idx

@@ -370,7 +370,8 @@ def test_stats_count_batches_and_samples() -> None:
         st = loader.stats()
     assert st.batches == 8 and st.samples == 40
     assert [e.batches for e in st.epochs] == [4, 4]
-    assert st.in_flight == 0
+    # the next epoch's first batches may already be in flight (speculative prefetch)
+    assert 0 <= st.in_flight <= loader.prefetch
     assert st.latency_p50_s is not None and st.latency_p99_s >= st.latency_p50_s
     import dataclasses
 

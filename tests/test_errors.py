@@ -169,7 +169,8 @@ def test_crash_in_borrowed_executor_is_a_clear_error(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------ timeouts
 def test_hung_sample_times_out_and_loader_recovers(collect, tmp_path: Path) -> None:
     marker = tmp_path / "hung"
-    with aioloader.DataLoader(HangDataset(16, 5, str(marker)), 4, num_workers=2, timeout=0.5) as loader:
+    # generous: the healthy second epoch must not trip it on a loaded machine
+    with aioloader.DataLoader(HangDataset(16, 5, str(marker)), 4, num_workers=2, timeout=3.0) as loader:
         with pytest.raises(aioloader.LoaderTimeout) as info:
             collect(loader)
         assert isinstance(info.value, TimeoutError)
@@ -384,6 +385,8 @@ def test_unpicklable_dataset_fails_before_any_worker_starts(collect) -> None:
 def test_every_error_class_pickles() -> None:
     for name in errors.__all__:
         cls = getattr(errors, name)
+        if not issubclass(cls, BaseException) or issubclass(cls, Warning):
+            continue
         err = cls("message", indices=[1, 2], exitcode=-9)
         back = pickle.loads(pickle.dumps(err))
         assert type(back) is cls and str(back) == "message" and back.indices == [1, 2]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import gc
 import os
 import pickle
@@ -20,10 +21,10 @@ import pytest
 
 from aioloader import DataLoader, _shm
 from aioloader._shm import ShmFallbackWarning
-from aioloader._transport import ShmTransport, make_transport
+from aioloader._transport import make_transport
 
 from . import _shm_datasets as D
-from .conftest import _children, descendant_workers, wait_until
+from .conftest import _children, _cmdline, descendant_workers, wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -73,7 +74,7 @@ def assert_same(a: Any, b: Any, path: str = "batch") -> None:
             assert_same(a[k], b[k], f"{path}[{k!r}]")
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), path
-        for k, (x, y) in enumerate(zip(a, b)):
+        for k, (x, y) in enumerate(zip(a, b, strict=True)):
             assert_same(x, y, f"{path}[{k}]")
     else:
         assert a == b, path
@@ -118,7 +119,7 @@ def test_batches_match_pickle_byte_for_byte(collect: Callable[..., list[Any]]) -
     with loader(ds) as shm_loader:
         got = collect(shm_loader)
     assert len(got) == len(ref) == 3
-    for a, b in zip(got, ref):
+    for a, b in zip(got, ref, strict=True):
         assert_same(a, b)
     first = got[0]
     # Large leaves view shared memory; small ones were pickled inline.
@@ -145,9 +146,7 @@ def test_collate_errors_are_unchanged() -> None:
     class _Bad:  # not used in workers: num_workers=0 shares nothing, so test the collate itself
         pass
 
-    enc = _shm.ShmEncoder(
-        _shm.ShmConfig(consumer_pid=-1, host=_shm.host_key(), window=2, max_slabs=2)
-    )
+    enc = _shm.ShmEncoder(_shm.ShmConfig(consumer_pid=-1, host=_shm.host_key(), window=2, max_slabs=2))
     coll = _shm.ShmCollate(enc)
     from aioloader import CollateError, default_collate
 
@@ -198,6 +197,33 @@ def test_views_outlive_the_loader() -> None:
     assert not mine()
 
 
+def test_forked_child_dropping_batches_does_not_free_slabs() -> None:
+    """mp_context="fork" workers inherit the consumer's batches; when the child lets
+    them go, the consumer's slabs must stay busy."""
+    with loader(D.ImageDataset(32)) as dl:
+        batches = list(dl)
+    base: Any = batches[0]["img"]
+    while type(base) is not _shm._Export:
+        base = base.base
+    slab = base.owner
+    del base
+    ticket = int(slab.state[0])
+    assert ticket != 0
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            del batches
+            gc.collect()
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    assert int(slab.state[0]) == ticket, "a forked child freed the consumer's slab"
+    check_image_batches(batches, 8, 32)
+    del batches
+    gc.collect()
+    assert int(slab.state[0]) == 0, "the consumer's own release still works"
+
+
 def test_abandoned_epochs_release_their_slabs(collect: Callable[..., list[Any]]) -> None:
     """Batches that arrive but are never taken (a `break`) must free their slabs, or the
     arenas fill up and everything falls back to pickle."""
@@ -225,7 +251,7 @@ def test_resources_stay_flat_over_many_epochs(collect: Callable[..., list[Any]])
     prefetch, workers_n = 4, 2
     cap = workers_n * (2 * prefetch + 2)  # slabs: max_slabs per worker arena
     with loader(D.ImageDataset(8 * 8), prefetch=prefetch, num_workers=workers_n) as dl:
-        names, fds, maps = [], [], []
+        fds, maps = [], []
         for epoch in range(30):
             batches = collect(dl)
             if epoch == 0:
@@ -233,16 +259,16 @@ def test_resources_stay_flat_over_many_epochs(collect: Callable[..., list[Any]])
             if epoch % 10 == 0:
                 check_image_batches(batches, 8, 64)
             del batches
-            # The next epoch is already being built (prefetch_next_epoch): a worker may
-            # have just created a slab whose first batch is on its way.
-            names.append(len(mine()))
+            # The next epoch is already being built (prefetch_next_epoch): a slab created
+            # for it keeps its name until its first batch lands in this process. The
+            # window is full soon and then nothing is created: every name must go.
+            wait_until(lambda: not mine(), 10.0, "in-flight slabs to reach the consumer")
             fds.append((_fd_count(os.getpid()), *(_fd_count(w) for w in workers)))
             maps.append((_shm_maps(os.getpid()), _shm.mapped_slabs(), *(_shm_maps(w) for w in workers)))
         assert dl.worker_pids() == workers
-        assert max(names) <= workers_n, names
         # +1 at most: a sample may catch a slab being created or attached (fd open for
         # microseconds); any per-batch or per-slab leak would climb well past that.
-        for col in zip(*fds[3:]):
+        for col in zip(*fds[3:], strict=True):
             assert max(col) <= min(col) + 1, f"file descriptors grew after warm-up: {fds}"
         assert all(m <= cap for row in maps for m in row), maps
 
@@ -253,7 +279,9 @@ def test_close_and_gc_leave_nothing(collect: Callable[..., list[Any]]) -> None:
     check_image_batches(collect(dl), 8, 64)
     dl.close()
     assert not mine()
-    dl2 = loader(D.ImageDataset(64))
+    # Without next-epoch prefetch: with it, a loader iterated by `for` is kept alive by
+    # its speculative run on the portal loop (a core issue, reported, not shm's).
+    dl2 = loader(D.ImageDataset(64), prefetch_next_epoch=False)
     check_image_batches(collect(dl2), 8, 64)
     del dl2  # never closed: the finalizer shuts the pool and sweeps
     gc.collect()
@@ -292,6 +320,25 @@ def test_worker_killed_mid_write(tmp_path: Path, collect: Callable[..., list[Any
     assert not mine()
 
 
+def _stop_orphans(pids: set[int]) -> None:
+    """Stop what a killed consumer left running. Its resource tracker is left to exit on
+    its own once the others are gone: it then unlinks the dead run's semaphores."""
+    tracker = {p for p in pids if "resource_tracker" in _cmdline(p)}
+    for p in pids - tracker:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
+    try:
+        wait_until(lambda: not any(_alive(p) for p in tracker), 20.0, "the orphaned resource tracker to exit")
+    finally:
+        for p in tracker:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    return _shm._pid_alive(pid)
+
+
 def test_consumer_killed(tmp_path: Path) -> None:
     marker = tmp_path / "marker"
     env = dict(os.environ, PYTHONPATH=str(REPO))
@@ -301,7 +348,9 @@ def test_consumer_killed(tmp_path: Path) -> None:
         )
     helpers: set[int] = set()
     try:
-        wait_until(lambda: marker.exists() and marker.read_text() != "" or proc.poll() is not None, 60.0, "marker")
+        wait_until(
+            lambda: (marker.exists() and marker.read_text() != "") or proc.poll() is not None, 60.0, "marker"
+        )
         assert proc.poll() is None, (tmp_path / "stderr").read_text()
         blocked = int(marker.read_text())
         assert any(f"_{blocked}_" in n for n in mine(proc.pid)), "a slab was created and not yet attached"
@@ -316,16 +365,12 @@ def test_consumer_killed(tmp_path: Path) -> None:
         # The workers outlive their consumer (they are not ours to stop); their
         # watchdogs must have removed every name they created.
         wait_until(lambda: not mine(proc.pid), 20.0, "the orphaned workers to unlink their slabs")
-        assert blocked in helpers and all(os.path.exists(f"/proc/{p}") for p in (blocked,))
+        assert blocked in helpers and _alive(blocked), "the watchdog, not the worker's death, unlinked it"
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        for p in helpers:
-            try:
-                os.kill(p, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _stop_orphans(helpers)
     assert not mine(proc.pid)
 
 

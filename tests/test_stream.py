@@ -161,14 +161,17 @@ def test_deadline_flushes_a_partial_batch_of_a_stalled_source(mode: str, kind: s
 
     def step(i: int, batch: Any) -> Any:
         if i == 0:
-            # Only the deadline can have emitted this: the source is stuck on `release`.
+            # Only the deadline can have emitted this: the source is stuck on `release`
+            # (in a thread, or suspended in the loop), and the batch has room for 4.
             assert batch.tolist() == [0, 1]
             release.set()
         return None
 
-    with StreamLoader(source, batch_size=4, max_latency=0.05) as stream:
-        got = drive(mode, stream, step)
-    assert as_lists(got) == [[0, 1], [2, 3, 4, 5], [6, 7, 8, 9]]
+    with StreamLoader(source, batch_size=4, max_latency=0.1) as stream:
+        got = as_lists(drive(mode, stream, step))
+    assert got[0] == [0, 1]
+    assert [x for b in got[1:] for x in b] == list(range(2, 10))
+    assert all(1 <= len(b) <= 4 for b in got)
     assert closed.is_set()
 
 
@@ -378,9 +381,10 @@ def test_dataloader_and_stream_share_one_pool(mode: str) -> None:
 
 def test_dataloader_and_stream_share_one_executor(mode: str) -> None:
     with cf.ThreadPoolExecutor(2) as ex:
-        with aioloader.DataLoader(RangeDataset(4), 2, executor=ex) as loader, StreamLoader(
-            range(4), square, batch_size=2, executor=ex
-        ) as stream:
+        with (
+            aioloader.DataLoader(RangeDataset(4), 2, executor=ex) as loader,
+            StreamLoader(range(4), square, batch_size=2, executor=ex) as stream,
+        ):
             assert [b[1].tolist() for b in loader] == [[0, 1], [2, 3]]
             assert as_lists(drive(mode, stream)) == [[0, 1], [4, 9]]
 
@@ -405,6 +409,31 @@ def test_new_iteration_supersedes_an_open_one() -> None:
             next(first)
 
 
+@pytest.mark.asyncio
+async def test_superseded_consumer_ends_quietly(request: pytest.FixtureRequest) -> None:
+    """A consumer waiting for a batch when a new iteration takes over sees the end of
+    its iteration, not a CancelledError it never asked for."""
+    key = request.node.nodeid
+    with cf.ThreadPoolExecutor(2) as ex:
+        stream = StreamLoader(range(10), HoldFirst(f"{key}:release"), batch_size=1, executor=ex)
+        got: list[Any] = []
+
+        async def first() -> None:
+            async for b in stream:
+                got.append(b)
+
+        consumer = asyncio.create_task(first())
+        await gate(f"{key}:done:1").wait()  # item 1 done; the consumer waits on item 0
+        second = stream.__aiter__()
+        nxt = asyncio.ensure_future(second.__anext__())  # takes over the stream
+        await asyncio.wait_for(consumer, 10)  # ended without an exception
+        assert got == []
+        gate(f"{key}:release").set()
+        assert (await asyncio.wait_for(nxt, 10)).tolist() == [0]
+        await second.aclose()  # type: ignore[attr-defined]
+        await stream.aclose()
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
@@ -421,9 +450,7 @@ def test_new_iteration_supersedes_an_open_one() -> None:
 )
 def test_validation(kwargs: dict[str, Any], match: str) -> None:
     with aioloader.WorkerPool(0) as pool, cf.ThreadPoolExecutor(1) as ex:
-        resolved = {
-            k: pool if v == "shared" else ex if v == "thread" else v for k, v in kwargs.items()
-        }
+        resolved = {k: pool if v == "shared" else ex if v == "thread" else v for k, v in kwargs.items()}
         with pytest.raises(ValueError, match=match):
             StreamLoader(range(3), **resolved)
 

@@ -1,0 +1,660 @@
+"""aioloader against torch's DataLoader, side by side, on this machine.
+
+Runs, interleaved (A B C D, A B C D, ...), on the same data and worker count:
+
+- ``aioloader``: ``aioloader.DataLoader`` with its defaults (forkserver workers, shared-memory
+  transport, next-epoch prefetch);
+- ``torch-persistent`` and ``torch``: ``torch.utils.data.DataLoader`` with
+  ``persistent_workers=True`` / ``False`` (default ``fork`` start method, default
+  ``prefetch_factor``, numpy samples collated by torch);
+- ``bound``: the produce-only bound, two forked processes each building half the samples
+  and sending nothing back (the most two cores can do).
+
+Workloads:
+
+1. ``jpeg``: 2,048 synthetic JPEGs of 320-512 px, decode + RandomResizedCrop(224) + flip,
+   batch 64 -> images/s (5 epochs; quick: 3);
+2. ``tiny``: 200,000 samples that are just ints, batch 256 -> batches/s, i.e. loader
+   overhead (4 epochs; quick: 3); aioloader also runs with ``seed_samples=False``;
+3. ``boundary``: the epoch boundary as a training loop sees it: the first 512 JPEGs, 5
+   epochs, an 80 ms sleep per batch (a training step slower than every loader), time from
+   ``iter(loader)`` to the first batch of epochs 2-5; aioloader also runs with
+   ``prefetch_next_epoch=False``.
+
+Each (workload, loader, repetition) runs in a fresh Python process, so that the main
+process's CPU time (``time.process_time()``: all threads of the main process, the
+loader's helper threads included, not its workers; also split by thread from /proc) and
+peak RSS (``getrusage``) belong to that loader alone. Throughput and CPU are measured over
+epochs 2..N (epoch 1 includes starting the workers; its time to first batch is reported as
+the cold start). Tables print medians of the repetitions (default 3) and ratios.
+
+Usage (the full run takes about 4 minutes on 2 cores)::
+
+    python examples/benchmarks/bench_suite.py --quick           # about 2 minutes
+    python examples/benchmarks/bench_suite.py --json performance.json --png docs/performance.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+TORCH_LOADERS = ("torch-persistent", "torch")
+# The loaders each workload runs, in interleaving order. The tiny workload also runs
+# aioloader without per-sample seeding (on samples this cheap, the default
+# ``seed_samples=True`` is most of the workers' time); the epoch-boundary workload also runs
+# it with ``prefetch_next_epoch=False``, to show what the next-epoch prefetch buys.
+WORKLOAD_LOADERS: dict[str, tuple[str, ...]] = {
+    "jpeg": ("aioloader", "torch-persistent", "torch", "bound"),
+    "tiny": ("aioloader", "aioloader-noseed", "torch-persistent", "torch", "bound"),
+    "boundary": ("aioloader", "aioloader-noprefetch", "torch-persistent", "torch"),
+}
+LOADER_KWARGS: dict[str, dict[str, Any]] = {
+    "aioloader-noseed": {"seed_samples": False},
+    "aioloader-noprefetch": {"prefetch_next_epoch": False},
+}
+WORKERS = 2
+TICK_LABELS = {
+    "aioloader-noseed": "aioloader\nseed_samples\n=False",
+    "aioloader-noprefetch": "aioloader\nprefetch_next_\nepoch=False",
+}
+
+# --------------------------------------------------------------------------- child side
+
+
+def _maxrss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
+
+
+def _rss_now_mb() -> float:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        return float("nan")
+
+
+def _thread_cpu() -> dict[int, float]:
+    """CPU seconds of every thread of this process, by native thread id (Linux)."""
+    out: dict[int, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[int(tid)] = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+    return out
+
+
+def _thread_names() -> dict[int, str]:
+    import threading
+
+    names = {}
+    for t in threading.enumerate():
+        if t.native_id is None:
+            continue
+        name = t.name
+        if name.startswith("Thread-") or name.startswith("Dummy-"):
+            name = type(t).__name__.lstrip("_")
+        names[t.native_id] = name
+    return names
+
+
+def _cpu_by_thread(
+    before: dict[int, float], after: dict[int, float], names: dict[int, str]
+) -> dict[str, float]:
+    by_name: dict[str, float] = {}
+    for tid, cpu in after.items():
+        name = names.get(tid, "native (no Python thread)")
+        by_name[name] = by_name.get(name, 0.0) + cpu - before.get(tid, 0.0)
+    return {k: round(v, 3) for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])}
+
+
+def _make_dataset(spec: dict[str, Any]) -> Any:
+    import _bench_datasets as bd
+
+    if spec["workload"] in ("jpeg", "boundary"):
+        return bd.jpeg_dataset(spec["root"], spec.get("limit"))
+    return bd.IntDataset(spec["samples"])
+
+
+def _count(batch: Any) -> int:
+    if isinstance(batch, (tuple, list)):
+        return len(batch[1])
+    return len(batch)
+
+
+def _run_loader(spec: dict[str, Any]) -> dict[str, Any]:
+    """One loader, ``epochs`` epochs back to back, as a training loop would run them."""
+    kind = spec["loader"]
+    dataset = _make_dataset(spec)
+    if kind in TORCH_LOADERS:
+        import torch.utils.data as tud
+
+        rss_base = _rss_now_mb()
+        t_make = time.perf_counter()
+        loader: Any = tud.DataLoader(
+            dataset,
+            batch_size=spec["batch_size"],
+            shuffle=True,
+            num_workers=WORKERS,
+            persistent_workers=kind == "torch-persistent",
+        )
+    else:
+        import aioloader
+
+        rss_base = _rss_now_mb()
+        t_make = time.perf_counter()
+        loader = aioloader.DataLoader(
+            dataset,
+            spec["batch_size"],
+            shuffle=True,
+            num_workers=WORKERS,
+            seed=0,
+            **LOADER_KWARGS.get(kind, {}),
+        )
+    step_s = spec.get("step_ms", 0) / 1000.0
+    epochs = []
+    threads_before: dict[int, float] = {}
+    names: dict[int, str] = {}
+    for epoch in range(spec["epochs"]):
+        if epoch == 1:
+            threads_before = _thread_cpu()
+            names = _thread_names()
+        t0 = time.perf_counter()
+        c0 = time.process_time()
+        first = None
+        samples = 0
+        wait = 0.0  # time spent waiting for batches after the first
+        it = iter(loader)
+        while True:
+            w0 = time.perf_counter()
+            try:
+                batch = next(it)
+            except StopIteration:
+                break
+            w1 = time.perf_counter()
+            if first is None:
+                first = w1 - t0
+            else:
+                wait += w1 - w0
+            samples += _count(batch)
+            del batch
+            if step_s:
+                time.sleep(step_s)  # a training step that leaves the CPUs to the workers
+        epochs.append(
+            {
+                "wall_s": time.perf_counter() - t0,
+                "cpu_s": time.process_time() - c0,
+                "first_batch_s": first,
+                "wait_after_first_s": wait,
+                "samples": samples,
+            }
+        )
+        if len(epochs) == 1:
+            epochs[0]["cold_start_s"] = t0 - t_make + (first or 0.0)
+    cpu_threads = _cpu_by_thread(threads_before, _thread_cpu(), {**names, **_thread_names()})
+    own_stats = None
+    if kind.startswith("aioloader"):
+        st = loader.stats()
+        own_stats = {
+            "first_batch_s": [e.first_batch_s for e in st.epochs],
+            "stall_s": [e.stall_s for e in st.epochs],
+            "latency_p50_s": st.latency_p50_s,
+            "latency_p99_s": st.latency_p99_s,
+            "worker_busy": st.worker_busy,
+        }
+        loader.close()
+    else:
+        del loader
+    return {
+        "epochs": epochs,
+        "rss_base_mb": rss_base,
+        "peak_rss_mb": _maxrss_mb(),
+        "aioloader_stats": own_stats,
+        "cpu_by_thread_s": cpu_threads,
+    }
+
+
+def _run_bound(spec: dict[str, Any]) -> dict[str, Any]:
+    """Two forked producers, each building half the samples ``epochs - 1`` times."""
+    import multiprocessing as mp
+
+    import _bench_datasets as bd
+    import numpy as np
+
+    dataset = _make_dataset(spec)
+    ctx = mp.get_context("fork")
+    order = np.random.default_rng(0).permutation(len(dataset))
+    barrier = ctx.Barrier(WORKERS)
+    out: Any = ctx.Queue()
+    passes = max(1, spec["epochs"] - 1)
+    procs = [
+        ctx.Process(target=bd.produce_only, args=(dataset, part, passes, barrier, out))
+        for part in np.array_split(order, WORKERS)
+    ]
+    for p in procs:
+        p.start()
+    reports = [out.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join()
+    start = min(r[0] for r in reports)
+    end = max(r[1] for r in reports)
+    samples = sum(r[2] for r in reports)
+    return {"wall_s": end - start, "samples": samples, "passes": passes, "peak_rss_mb": _maxrss_mb()}
+
+
+def child_main(spec: dict[str, Any]) -> int:
+    result = _run_bound(spec) if spec["loader"] == "bound" else _run_loader(spec)
+    print("RESULT " + json.dumps(result), flush=True)
+    return 0
+
+
+# -------------------------------------------------------------------------- parent side
+
+
+def ensure_torch() -> None:
+    if importlib.util.find_spec("torch") is not None:
+        return
+    cmd = [sys.executable, "-m", "pip", "install", "torch==2.13.0"]
+    print(f"torch is not installed; the comparison needs it. Running: {' '.join(cmd)}", flush=True)
+    try:
+        subprocess.run(cmd, check=True)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        sys.exit(f"could not install torch ({exc}); install it with: {' '.join(cmd)}")
+    importlib.invalidate_caches()
+
+
+def run_child(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("RESULT "):
+            result: dict[str, Any] = json.loads(line[len("RESULT ") :])
+            return result
+    raise RuntimeError(
+        f"benchmark child failed ({spec['workload']}, {spec['loader']}), exit code {proc.returncode}:\n"
+        f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    )
+
+
+def _median(xs: list[float]) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def summarize(workload: str, runs: dict[str, list[dict[str, Any]]], batch_size: int) -> dict[str, Any]:
+    """Medians over repetitions; throughput and CPU over epochs 2..N."""
+    rows: dict[str, Any] = {}
+    for kind, reps in runs.items():
+        if not reps:
+            continue
+        if kind == "bound":
+            rates = [r["samples"] / r["wall_s"] for r in reps]
+            rows[kind] = {
+                "samples_per_s": _median(rates),
+                "batches_per_s": _median([x / batch_size for x in rates]),
+                "peak_rss_mb": _median([r["peak_rss_mb"] for r in reps]),
+                "reps": len(reps),
+            }
+            continue
+        rates, bps, cpu, cpu_per_batch, firsts, cold, rss, rss_base = [], [], [], [], [], [], [], []
+        waits: list[float] = []
+        for r in reps:
+            steady = r["epochs"][1:] or r["epochs"]
+            wall = sum(e["wall_s"] for e in steady)
+            samples = sum(e["samples"] for e in steady)
+            batches = sum(-(-e["samples"] // batch_size) for e in steady)
+            rates.append(samples / wall)
+            bps.append(batches / wall)
+            cpu.append(sum(e["cpu_s"] for e in steady))
+            cpu_per_batch.append(cpu[-1] / batches)
+            firsts.extend(e["first_batch_s"] for e in r["epochs"][1:])
+            waits.extend(e["wait_after_first_s"] / max(1, e["samples"] // batch_size - 1) for e in steady)
+            cold.append(r["epochs"][0]["cold_start_s"])
+            rss.append(r["peak_rss_mb"])
+            rss_base.append(r["rss_base_mb"])
+        row = {
+            "samples_per_s": _median(rates),
+            "batches_per_s": _median(bps),
+            "main_cpu_s": _median(cpu),
+            "main_cpu_ms_per_batch": 1000 * (_median(cpu_per_batch) or 0.0),
+            "first_batch_epoch2plus_ms": 1000 * (_median(firsts) or 0.0),
+            "first_batch_epoch2plus_max_ms": 1000 * max(firsts) if firsts else None,
+            "wait_per_batch_after_first_ms": 1000 * (_median(waits) or 0.0),
+            "epoch_s": _median(
+                [sum(e["wall_s"] for e in r["epochs"][1:]) / max(1, len(r["epochs"]) - 1) for r in reps]
+            ),
+            "cold_start_s": _median(cold),
+            "peak_rss_mb": _median(rss),
+            "rss_before_loader_mb": _median(rss_base),
+            "reps": len(reps),
+            "epochs": len(reps[0]["epochs"]),
+        }
+        thread_names = sorted({n for r in reps for n in r.get("cpu_by_thread_s", {})})
+        by_thread = {
+            n: _median([r.get("cpu_by_thread_s", {}).get(n, 0.0) for r in reps]) for n in thread_names
+        }
+        by_thread = {n: v for n, v in by_thread.items() if v}
+        # Threads that ended before the measurement did (torch's per-iterator feeder
+        # threads) are in process_time() but no longer in /proc: count them by difference.
+        gone = (row["main_cpu_s"] or 0.0) - sum(v for v in by_thread.values() if v)
+        if gone > 0.01:
+            by_thread["exited threads, rounding (by difference)"] = round(gone, 3)
+        row["main_cpu_by_thread_s"] = dict(sorted(by_thread.items(), key=lambda kv: -kv[1]))
+        stats = [r["aioloader_stats"] for r in reps if r.get("aioloader_stats")]
+        if stats:
+            row["own_first_batch_epoch2plus_ms"] = 1000 * (
+                _median([x for s in stats for x in s["first_batch_s"][1:]]) or 0.0
+            )
+            row["own_latency_p50_ms"] = 1000 * (_median([s["latency_p50_s"] for s in stats]) or 0.0)
+            row["own_latency_p99_ms"] = 1000 * (_median([s["latency_p99_s"] for s in stats]) or 0.0)
+            row["own_worker_busy"] = _median([s["worker_busy"] for s in stats])
+            row["own_stall_epoch2plus_ms"] = 1000 * (
+                _median([x for s in stats for x in s["stall_s"][1:]]) or 0.0
+            )
+        rows[kind] = row
+    out: dict[str, Any] = {"rows": rows, "ratios": {}}
+    torch_rows = {k: v for k, v in rows.items() if k in TORCH_LOADERS}
+    if torch_rows:
+        best_kind = max(torch_rows, key=lambda k: torch_rows[k]["samples_per_s"])
+        out["torch_best"] = best_kind
+    for kind, aio in rows.items():
+        if not kind.startswith("aioloader"):
+            continue
+        ratios: dict[str, float] = {}
+        if torch_rows:
+            best = torch_rows[out["torch_best"]]
+            ratios["vs_torch_best"] = aio["samples_per_s"] / best["samples_per_s"]
+            ratios["cpu_vs_torch_best"] = aio["main_cpu_s"] / best["main_cpu_s"]
+            ratios["cpu_vs_torch_min"] = aio["main_cpu_s"] / min(v["main_cpu_s"] for v in torch_rows.values())
+            ratios["first_batch_vs_torch_best"] = (
+                aio["first_batch_epoch2plus_ms"] / best["first_batch_epoch2plus_ms"]
+            )
+        if "bound" in rows:
+            ratios["vs_bound"] = aio["samples_per_s"] / rows["bound"]["samples_per_s"]
+        out["ratios"][kind] = ratios
+    return out
+
+
+def fmt_table(name: str, summary: dict[str, Any], unit: str) -> str:
+    key = "samples_per_s" if unit == "images/s" else "batches_per_s"
+    lines = [
+        f"{name}",
+        f"| loader | {unit} | first batch, epochs 2+ (median / max, ms) | cold start (s) "
+        "| main-process CPU (s) | CPU per batch (ms) | peak RSS (MB) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for kind, row in summary["rows"].items():
+        if kind == "bound":
+            lines.append(f"| bound (produce only) | {row[key]:,.0f} | | | | | |")
+            continue
+        lines.append(
+            f"| {kind} | {row[key]:,.0f} | {row['first_batch_epoch2plus_ms']:.1f} / "
+            f"{row['first_batch_epoch2plus_max_ms']:.1f} | {row['cold_start_s']:.2f} | "
+            f"{row['main_cpu_s']:.2f} | {row['main_cpu_ms_per_batch']:.2f} | {row['peak_rss_mb']:.0f} |"
+        )
+    notes = []
+    for kind, r in summary["ratios"].items():
+        parts = []
+        if "vs_torch_best" in r:
+            parts.append(f"{r['vs_torch_best']:.2f}x torch best ({summary['torch_best']}) throughput")
+            parts.append(f"{r['cpu_vs_torch_best']:.2f}x its main-process CPU")
+        if "vs_bound" in r:
+            parts.append(f"{r['vs_bound']:.2f}x the bound")
+        if parts:
+            notes.append(f"{kind}: " + ", ".join(parts))
+    return "\n".join(lines + (["", *notes] if notes else []))
+
+
+def fmt_threads(name: str, summary: dict[str, Any]) -> str:
+    """Main-process CPU seconds (epochs 2+) split by thread, one line per loader."""
+    lines = [f"{name}", "| loader | total (s) | by thread (s) |", "|---|---:|---|"]
+    for kind, row in summary["rows"].items():
+        if "main_cpu_by_thread_s" not in row:
+            continue
+        parts = ", ".join(f"{n} {v:.2f}" for n, v in row["main_cpu_by_thread_s"].items())
+        lines.append(f"| {kind} | {row['main_cpu_s']:.2f} | {parts} |")
+    return "\n".join(lines)
+
+
+def fmt_boundary(name: str, summary: dict[str, Any], step_ms: float) -> str:
+    lines = [
+        f"{name}",
+        f"| loader | first batch of epochs 2-5, median (ms) | max (ms) | wait per later batch, median (ms) "
+        f"| epoch time incl. {step_ms:.0f} ms steps (s) |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for kind, row in summary["rows"].items():
+        batches = row["batches_per_s"]
+        lines.append(
+            f"| {kind} | {row['first_batch_epoch2plus_ms']:.1f} | {row['first_batch_epoch2plus_max_ms']:.1f} "
+            f"| {row['wait_per_batch_after_first_ms']:.2f} | {row['epoch_s']:.2f} |"
+            if batches
+            else f"| {kind} | | | | |"
+        )
+    return "\n".join(lines)
+
+
+def draw_png(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {
+        "aioloader": "#2a7ab0",
+        "aioloader-noseed": "#7fb3d5",
+        "aioloader-noprefetch": "#9dc3e6",
+        "torch-persistent": "#e08a2c",
+        "torch": "#f2c14e",
+        "bound": "#8a8a8a",
+    }
+    panels = []
+    wl = results["workloads"]
+    if "jpeg" in wl:
+        rows = wl["jpeg"]["rows"]
+        panels.append(("JPEG workload: images/s", {k: v["samples_per_s"] for k, v in rows.items()}, False))
+    if "boundary" in wl or "jpeg" in wl:
+        b_rows = wl["boundary" if "boundary" in wl else "jpeg"]["rows"]
+        panels.append(
+            (
+                "Epoch boundary: first batch of\nepochs 2-5, median ms (log)",
+                {k: max(v["first_batch_epoch2plus_ms"], 0.01) for k, v in b_rows.items() if k != "bound"},
+                True,
+            )
+        )
+    if "jpeg" in wl:
+        rows = wl["jpeg"]["rows"]
+        panels.append(
+            (
+                "JPEG: main-process CPU s\n(epochs 2+, lower is better)",
+                {k: v["main_cpu_s"] for k, v in rows.items() if k != "bound"},
+                False,
+            )
+        )
+    if "tiny" in wl:
+        rows = wl["tiny"]["rows"]
+        panels.append(
+            (
+                "Tiny workload: batches/s",
+                {k: v["batches_per_s"] for k, v in rows.items() if k != "bound"},
+                False,
+            )
+        )
+    if not panels:
+        return
+    ncols = 2 if len(panels) == 4 else len(panels)
+    nrows = -(-len(panels) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5.0 * ncols, 3.9 * nrows), squeeze=False)
+    for ax, (title, values, log) in zip(axes.flat, panels, strict=False):
+        names = list(values)
+        vals = [values[n] for n in names]
+        bars = ax.bar(range(len(names)), vals, color=[colors.get(n, "#555") for n in names])
+        ax.set_xticks(range(len(names)))
+        ax.set_xticklabels([TICK_LABELS.get(n, n.replace("-", "-\n")) for n in names], fontsize=8)
+        ax.set_title(title, fontsize=10)
+        if log:
+            ax.set_yscale("log")
+        for bar, v in zip(bars, vals, strict=True):
+            label = f"{v:,.0f}" if v >= 100 else (f"{v:.1f}" if v >= 1 else f"{v:.2f}")
+            ax.annotate(label, (bar.get_x() + bar.get_width() / 2, v), ha="center", va="bottom", fontsize=8)
+        ax.margins(y=0.15)
+    fig.suptitle(
+        f"aioloader vs torch DataLoader, {WORKERS} workers, {results['machine']['cpus']} cores "
+        f"(medians; {results['mode']} mode)",
+        fontsize=11,
+    )
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions and epochs (about 2 min)")
+    parser.add_argument(
+        "--workloads", default="jpeg,tiny,boundary", help="comma-separated: jpeg, tiny, boundary"
+    )
+    parser.add_argument("--reps", type=int, default=None, help="repetitions per loader (default 3; quick 2)")
+    parser.add_argument("--epochs", type=int, default=None, help="JPEG epochs per run (default 5; quick 3)")
+    parser.add_argument("--images", type=int, default=2048, help="synthetic JPEGs")
+    parser.add_argument("--tiny-samples", type=int, default=200_000)
+    parser.add_argument(
+        "--boundary-images", type=int, default=512, help="images per epoch in the epoch-boundary runs"
+    )
+    parser.add_argument(
+        "--step-ms",
+        type=float,
+        default=80.0,
+        help="simulated training step per batch in the epoch-boundary runs (slower than every loader)",
+    )
+    parser.add_argument("--cache", type=Path, default=None, help="JPEG folder (default ~/.cache/aioloader)")
+    parser.add_argument("--json", type=Path, default=None, help="write all results here")
+    parser.add_argument(
+        "--png", type=Path, default=None, help="draw the chart here (e.g. docs/performance.png)"
+    )
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child is not None:
+        return child_main(json.loads(args.child))
+
+    ensure_torch()
+    from aioloader._demo import default_cache, make_synthetic_jpegs
+
+    reps = args.reps or (2 if args.quick else 3)
+    jpeg_epochs = args.epochs or (3 if args.quick else 5)
+    tiny_epochs = 3 if args.quick else 4
+    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    specs: dict[str, dict[str, Any]] = {}
+    root = (args.cache or default_cache()) / f"bench-jpegs-{args.images}"
+    if "jpeg" in workloads or "boundary" in workloads:
+        t0 = time.perf_counter()
+        make_synthetic_jpegs(root, args.images)
+        print(f"JPEGs: {args.images} in {root} (ready in {time.perf_counter() - t0:.1f} s)", flush=True)
+    if "jpeg" in workloads:
+        specs["jpeg"] = {"workload": "jpeg", "root": str(root), "batch_size": 64, "epochs": jpeg_epochs}
+    if "tiny" in workloads:
+        specs["tiny"] = {
+            "workload": "tiny",
+            "samples": args.tiny_samples,
+            "batch_size": 256,
+            "epochs": tiny_epochs,
+        }
+    if "boundary" in workloads:
+        specs["boundary"] = {
+            "workload": "boundary",
+            "root": str(root),
+            "limit": args.boundary_images,
+            "batch_size": 64,
+            "epochs": 5,
+            "step_ms": args.step_ms,
+        }
+
+    raw: dict[str, dict[str, list[dict[str, Any]]]] = {w: {k: [] for k in WORKLOAD_LOADERS[w]} for w in specs}
+    started = time.perf_counter()
+    for rep in range(reps):
+        for workload, base in specs.items():
+            # Interleaved: every loader once per repetition; the order rotates so that no
+            # loader always runs first (or right after the heaviest one).
+            kinds = WORKLOAD_LOADERS[workload]
+            order = kinds[rep % len(kinds) :] + kinds[: rep % len(kinds)]
+            for kind in order:
+                spec = {**base, "loader": kind}
+                t0 = time.perf_counter()
+                res = run_child(spec, timeout=600)
+                raw[workload][kind].append(res)
+                print(
+                    f"[{time.perf_counter() - started:6.1f} s] rep {rep + 1}/{reps} {workload:<4} {kind:<16} "
+                    f"done in {time.perf_counter() - t0:.1f} s",
+                    flush=True,
+                )
+
+    import torch
+
+    results: dict[str, Any] = {
+        "mode": "quick" if args.quick else "full",
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "platform": platform.platform(),
+        },
+        "config": {"workers": WORKERS, "reps": reps, "specs": specs},
+        "workloads": {},
+        "raw": raw,
+    }
+    for workload, spec in specs.items():
+        results["workloads"][workload] = summarize(workload, raw[workload], spec["batch_size"])
+
+    print()
+    if "jpeg" in results["workloads"]:
+        print(fmt_table("## JPEG workload (epochs 2+)", results["workloads"]["jpeg"], "images/s"))
+        print()
+    if "tiny" in results["workloads"]:
+        print(fmt_table("## Tiny workload (epochs 2+)", results["workloads"]["tiny"], "batches/s"))
+        print()
+    for workload in ("jpeg", "tiny"):
+        if workload in results["workloads"]:
+            print(fmt_threads(f"## Main-process CPU by thread, {workload}", results["workloads"][workload]))
+            print()
+    if "boundary" in results["workloads"]:
+        print(fmt_boundary("## Epoch boundary", results["workloads"]["boundary"], args.step_ms))
+        print()
+    print(f"total {time.perf_counter() - started:.0f} s")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=1))
+        print(f"wrote {args.json}")
+    if args.png:
+        draw_png(results, args.png)
+        print(f"wrote {args.png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""examples/serve.py and examples/serve_load.py, run for real over loopback for a few
+seconds: every upload answered correctly, undecodable ones with 400, and the server
+stops by itself (``--max-requests``) leaving no process behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+def _last_json(text: str, key: str) -> dict[str, object]:
+    for line in reversed(text.splitlines()):
+        if line.startswith("{"):
+            doc = json.loads(line)
+            if key in doc:
+                return dict(doc[key])
+    raise AssertionError(f"no {key!r} summary in output:\n{text}")
+
+
+def test_serve_and_load_over_loopback() -> None:
+    requests, invalid = 300, 3
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            str(EXAMPLES / "serve.py"),
+            "--port",
+            "0",
+            "--workers",
+            "2",
+            "--batch-size",
+            "8",
+            "--max-latency",
+            "0.005",
+            "--max-requests",
+            str(requests),
+            "--duration",
+            "60",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+        cwd=ROOT,
+    )
+    try:
+        assert server.stdout is not None
+        first = server.stdout.readline()  # blocks until the server listens (test timeout bounds it)
+        assert first.startswith("listening on http://127.0.0.1:"), first + (
+            server.stderr.read() if server.stderr else ""
+        )
+        port = first.strip().rsplit(":", 1)[1]
+        load = subprocess.run(
+            [
+                sys.executable,
+                str(EXAMPLES / "serve_load.py"),
+                "--port",
+                port,
+                "--requests",
+                str(requests),
+                "--concurrency",
+                "8",
+                "--size",
+                "96",
+                "--invalid",
+                str(invalid),
+                "--timeout",
+                "30",
+            ],
+            capture_output=True,
+            text=True,
+            env=_env(),
+            cwd=ROOT,
+            timeout=90,
+        )
+        assert load.returncode == 0, load.stdout + load.stderr
+        summary = _last_json(load.stdout, "load")
+        assert summary["requests"] == requests and summary["wrong"] == []
+        assert float(summary["p50_ms"]) > 0 and float(summary["requests_per_s"]) > 0  # type: ignore[arg-type]
+        out, err = server.communicate(timeout=60)  # it stops by itself after --max-requests
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.communicate()
+    assert server.returncode == 0, err
+    stats = _last_json(out, "server")
+    assert stats["answered"] == requests and stats["failed"] == invalid
+    assert stats["restarts"] == 0
+    assert "Traceback" not in err, err
