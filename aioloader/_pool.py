@@ -205,10 +205,19 @@ class WorkerPool:
             max_workers=n,
             mp_context=ctx,
             initializer=_worker.pool_initializer,
-            initargs=(dict(self._payloads), table, lock, counter, n),
+            initargs=(dict(self._payloads), table, lock, counter, n, os.getpid()),
         )
         view = np.frombuffer(table, dtype=np.int64)
         return Generation(self._gen_count, pex, processes=pex._processes, table=view)
+
+    def started_generation(self) -> Generation | None:
+        """The live generation if it is created and started, else ``None`` (never blocks:
+        creating a process pool starts helper processes, so the event loop leaves that to
+        :meth:`start` in a thread)."""
+        if self._closed:
+            raise LoaderClosedError("the worker pool is closed")
+        gen = self._gen
+        return gen if gen is not None and gen.started else None
 
     def start(self) -> Generation:
         """Create the generation and start all its workers in parallel (blocking; call

@@ -287,8 +287,8 @@ class Dispatcher:
         while True:
             if self.is_closed():
                 raise LoaderClosedError("the loader was closed while this batch was pending")
-            gen = pool.current()
-            if not gen.started:
+            gen = pool.started_generation()
+            if gen is None:
                 gen = await loop.run_in_executor(None, pool.start)
             task = make_task(next(_task_ids), with_payload)
             task_id = task.task_id

@@ -464,6 +464,10 @@ class _Arena:
             from multiprocessing import util
 
             util.Finalize(None, self._at_exit, exitpriority=10)
+            # An owned worker exits when its consumer dies: clean up before that.
+            from . import _worker
+
+            _worker.on_orphaned(self.consumer_died)
 
     def _watch(self) -> None:
         pid = self.consumer_pid

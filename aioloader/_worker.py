@@ -149,11 +149,61 @@ def _run_init(ctx: WorkerContext) -> None:
         ctx.init_error = exc
 
 
-def pool_initializer(payloads: dict[str, bytes], table: Any, lock: Any, counter: Any, max_slots: int) -> None:
+_orphan_hooks: list[Callable[[], None]] = []
+
+
+def on_orphaned(hook: Callable[[], None]) -> None:
+    """Run ``hook`` in this worker if its consumer process dies (before the worker exits)."""
+    _orphan_hooks.append(hook)
+
+
+def _exit_when_orphaned(consumer_pid: int) -> None:
+    """Daemon thread of an owned worker: exit once the consumer is gone.
+
+    A worker's parent is the forkserver, not the consumer, and the executor's queues do
+    not tell a blocked worker that the consumer was killed (SIGKILL, OOM): without this,
+    such workers would live on forever.
+    """
+    try:
+        fd = os.pidfd_open(consumer_pid)
+    except ProcessLookupError:
+        fd = -1
+    except (AttributeError, OSError):  # no pidfd: poll
+        while True:
+            try:
+                os.kill(consumer_pid, 0)
+            except ProcessLookupError:
+                break
+            except PermissionError:
+                pass
+            time.sleep(0.5)
+        fd = -1
+    if fd >= 0:
+        import select
+
+        try:
+            select.select([fd], [], [])  # readable once the process has exited
+        finally:
+            os.close(fd)
+    for hook in list(_orphan_hooks):
+        try:
+            hook()
+        except Exception:  # best effort: the process is going away
+            pass
+    os._exit(0)
+
+
+def pool_initializer(
+    payloads: dict[str, bytes], table: Any, lock: Any, counter: Any, max_slots: int, consumer_pid: int = 0
+) -> None:
     """Initializer of an owned process pool: one call per worker process."""
     global _slot_table, _slot, _worker_id
     # Ctrl-C reaches the whole process group; only the consumer should react to it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if consumer_pid:
+        threading.Thread(
+            target=_exit_when_orphaned, args=(consumer_pid,), name="aioloader-orphan-watch", daemon=True
+        ).start()
     if table is not None:
         with lock:
             _slot = counter.value

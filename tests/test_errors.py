@@ -169,8 +169,11 @@ def test_crash_in_borrowed_executor_is_a_clear_error(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------ timeouts
 def test_hung_sample_times_out_and_loader_recovers(collect, tmp_path: Path) -> None:
     marker = tmp_path / "hung"
-    # generous: the healthy second epoch must not trip it on a loaded machine
-    with aioloader.DataLoader(HangDataset(16, 5, str(marker)), 4, num_workers=2, timeout=3.0) as loader:
+    # A generous timeout, so the healthy second epoch cannot trip it on a loaded machine;
+    # no speculative next epoch, which could reach the hang-once sample first.
+    with aioloader.DataLoader(
+        HangDataset(16, 5, str(marker)), 4, num_workers=2, timeout=3.0, prefetch_next_epoch=False
+    ) as loader:
         with pytest.raises(aioloader.LoaderTimeout) as info:
             collect(loader)
         assert isinstance(info.value, TimeoutError)
@@ -408,7 +411,7 @@ def test_two_hundred_lifecycles_leak_nothing(tmp_path: Path) -> None:
             d.mkdir()
             ds: object = CrashDataset(12, {5}, str(d))
         elif kind == "timeout":
-            ds = HangDataset(12, 5, str(tmp_path / f"h{k}"))
+            ds = HangDataset(12, 5)  # hangs every time: the loader must time out
         elif kind == "error":
             ds = FailingDataset(12, {7})
         else:
@@ -454,3 +457,47 @@ def test_two_hundred_lifecycles_leak_nothing(tmp_path: Path) -> None:
     wait_until(lambda: threading.active_count() <= threads0, 10.0, "threads to exit")
     assert shm_entries() <= shm0
     assert len(os.listdir("/proc/self/fd")) <= fds0
+
+
+ORPHAN_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, pathlib
+    sys.path.insert(0, {root!r})
+    import aioloader
+    from tests._datasets import SlowDataset
+
+    if __name__ == "__main__":
+        loader = aioloader.DataLoader(SlowDataset(100000, 0.002), 8, num_workers=2)
+        for i, batch in enumerate(loader):
+            if i == 2:
+                pathlib.Path({pids!r}).write_text(" ".join(map(str, loader.worker_pids())))
+    """
+)
+
+
+def test_workers_exit_when_the_consumer_is_killed(tmp_path: Path) -> None:
+    pids_file = tmp_path / "pids"
+    script = tmp_path / "orphan.py"
+    script.write_text(ORPHAN_SCRIPT.format(root=str(Path(__file__).resolve().parents[1]), pids=str(pids_file)))
+    proc = subprocess.Popen([sys.executable, str(script)], start_new_session=True)
+    try:
+        wait_until(lambda: pids_file.exists() or proc.poll() is not None, 60.0, "the worker pids")
+        assert proc.poll() is None
+        pids = [int(p) for p in pids_file.read_text().split()]
+        assert len(pids) == 2
+        proc.kill()  # SIGKILL: no finalizer, no atexit in the consumer
+        proc.wait()
+        wait_until(lambda: not any(_alive(p) for p in pids), 20.0, "orphaned workers to exit")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.killpg(proc.pid, signal.SIGKILL) if _group_alive(proc.pid) else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
