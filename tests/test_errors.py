@@ -501,3 +501,44 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+EXIT_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, {root!r})
+    import aioloader
+    from tests._datasets import RangeDataset
+
+    if __name__ == "__main__":
+        loader = aioloader.DataLoader(RangeDataset(1000), 4, num_workers=2)
+        it = iter(loader)
+        next(it)                       # half-consumed iterator, never closed
+        async_loader = aioloader.DataLoader(RangeDataset(100), 4, num_workers=1)
+        import asyncio
+
+        async def main():
+            async for _ in async_loader:
+                break
+        asyncio.run(main())
+        print("exiting", flush=True)   # no close(): the finalizers must do it
+    """
+)
+
+
+def test_interpreter_exit_never_hangs_on_open_loaders(tmp_path: Path) -> None:
+    script = tmp_path / "exit.py"
+    script.write_text(EXIT_SCRIPT.format(root=str(Path(__file__).resolve().parents[1])))
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert out.strip() == "exiting"
+    assert "Traceback" not in err, err
+    wait_until(lambda: not _group_alive(proc.pid), 20.0, "the script's processes to exit")
