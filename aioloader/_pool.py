@@ -309,6 +309,7 @@ class WorkerPool:
                 self._box[0] = None
                 self.restarts += 1
         gen.executor.shutdown(wait=False, cancel_futures=True)
+        _forget_threads(gen.executor)
 
     def worker_pids(self) -> list[int]:
         """Pids of the current generation's processes (empty for threads/borrowed)."""
@@ -325,6 +326,7 @@ class WorkerPool:
                 return
             self._closed = True
             self._payloads.clear()
+            self._gen = None
         self._finalizer()
 
     @staticmethod
@@ -345,6 +347,21 @@ class WorkerPool:
         return f"<aioloader.WorkerPool {self.kind} workers={self.num_workers} {state}>"
 
 
+def _forget_threads(ex: cf.Executor) -> None:
+    """Let interpreter exit proceed past an abandoned thread stuck in user code.
+
+    ``concurrent.futures`` joins every executor thread at exit, without a timeout; a
+    thread we abandoned after a timeout may never return. Dropping it from that registry
+    (a private one) lets the process exit; the thread dies with it.
+    """
+    from concurrent.futures import thread as cf_thread
+
+    registry = getattr(cf_thread, "_threads_queues", None)
+    for t in list(getattr(ex, "_threads", ())):
+        if registry is not None:
+            registry.pop(t, None)
+
+
 def _retire(gen: Generation, grace: float) -> None:
     """Shut an owned generation down without hanging on a stuck task."""
     ex = gen.executor
@@ -353,6 +370,7 @@ def _retire(gen: Generation, grace: float) -> None:
         deadline = time.monotonic() + max(grace, 0.0) + 5.0
         for t in list(getattr(ex, "_threads", ())):
             t.join(max(0.0, deadline - time.monotonic()))
+        _forget_threads(ex)
         return
     procs = list((gen.processes or {}).values())
     manager = getattr(ex, "_executor_manager_thread", None)

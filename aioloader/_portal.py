@@ -11,8 +11,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import threading
+import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
+
+from .errors import LoaderClosedError
 
 __all__ = ["Portal", "new_event_loop"]
 
@@ -76,8 +79,21 @@ class Portal:
         exception propagates.
         """
         fut = self.submit(coro)
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            return fut.result(timeout)
+            # Wait in slices: a portal closed under us must not leave us waiting on a
+            # callback its loop dropped. (Not fut.result(timeout): its TimeoutError is
+            # the builtin one, which a LoaderTimeout raised by the coroutine also is.)
+            while not fut.done():
+                cf.wait([fut], timeout=0.25)
+                if not fut.done():
+                    if self._closed and not self._thread.is_alive():
+                        raise LoaderClosedError("the loader was closed while it was being iterated")
+                    if deadline is not None and time.monotonic() > deadline:
+                        raise cf.TimeoutError(f"no result within {timeout} s")
+            if fut.cancelled() and self._closed:
+                raise LoaderClosedError("the loader was closed while it was being iterated")
+            return fut.result()
         except BaseException:
             fut.cancel()
             raise

@@ -84,6 +84,7 @@ class EpochRun:
         self.dispatcher = Dispatcher(cfg.pool, cfg.recorder, cfg.timeout, cfg.max_retries, cfg.is_closed)
         self._epoch_rec: _Epoch | None = None
         self._producer: asyncio.Task[None] | None = None
+        self._closed_event: asyncio.Event | None = None
         self.on_submitted_all: Callable[[EpochRun], None] | None = None
 
     # ----------------------------------------------------------------- lifecycle
@@ -91,16 +92,31 @@ class EpochRun:
         if self._producer is None:
             self._producer = self.loop.create_task(self._produce())
 
+    @property
+    def complete(self) -> bool:
+        """Has the consumer taken every batch of this run?"""
+        return self.taken >= len(self.positions)
+
     def begin_consuming(self) -> None:
         """Mark the moment the consumer started this epoch (for stall statistics)."""
         if self._epoch_rec is None:
             self._epoch_rec = self.cfg.recorder.epoch_started(self.epoch)
 
     async def aclose(self) -> None:
-        """Cancel everything still pending and wait until it has stopped. Idempotent."""
+        """Cancel everything still pending and wait until it has stopped. Idempotent: a
+        second caller waits for the first one's close to finish."""
         if self.closed:
+            if self._closed_event is not None and asyncio.get_running_loop() is self.loop:
+                await self._closed_event.wait()
             return
         self.closed = True
+        self._closed_event = asyncio.Event()
+        try:
+            await self._aclose()
+        finally:
+            self._closed_event.set()
+
+    async def _aclose(self) -> None:
         self.ready.put_nowait(_CLOSED)  # wakes a consumer waiting for the next batch
         pending: list[asyncio.Task[Any]] = [t for t in self.tasks if not t.done()]
         if self._producer is not None and not self._producer.done():
@@ -289,7 +305,12 @@ class Dispatcher:
                 raise LoaderClosedError("the loader was closed while this batch was pending")
             gen = pool.started_generation()
             if gen is None:
-                gen = await loop.run_in_executor(None, pool.start)
+                try:
+                    gen = await loop.run_in_executor(None, pool.start)
+                except RuntimeError as exc:  # the pool was shut down under us
+                    if self.is_closed() or pool.closed:
+                        raise LoaderClosedError("the loader was closed while this batch was pending") from exc
+                    raise
             task = make_task(next(_task_ids), with_payload)
             task_id = task.task_id
             submit_ns = time.monotonic_ns()
@@ -347,9 +368,13 @@ class Dispatcher:
 
     def _timeout_error(self, label: str, indices: Any) -> LoaderTimeout:
         t = self.timeout
+        how = {
+            "process": "the worker was killed and the pool rebuilt",
+            "thread": "the stuck thread was abandoned (it ends when its sample returns)",
+        }.get(self.pool.kind, "the borrowed executor's task could not be stopped")
         return LoaderTimeout(
             f"{label} (sample indices {_short(indices)}) was not delivered within timeout={t} s "
-            "of a worker starting it; the worker was stopped",
+            f"of a worker starting it; {how}",
             indices=_as_list(indices),
             timeout=t,
         )
@@ -376,7 +401,8 @@ class Dispatcher:
                 self._timed_out.add(task_id)
                 if pool.kind == "process":
                     if not await loop.run_in_executor(None, pool.kill_task, gen, task_id):
-                        fut.cancel()
+                        # it finished between our look and the kill: not a timeout
+                        self._timed_out.discard(task_id)
                 else:
                     if pool.kind == "thread":
                         pool.abandon(gen)

@@ -324,6 +324,8 @@ class DataLoader:
             self._portal_box,
             self._transport,
             self._recorder,
+            self._shared,
+            self._runs,
         )
 
     # ------------------------------------------------------------------ lifecycle
@@ -335,7 +337,14 @@ class DataLoader:
         portal_box: list[Portal | None],
         transport: Transport,
         recorder: Recorder,
+        shared: _Shared,
+        runs: weakref.WeakSet[EpochRun],
     ) -> None:
+        # Reached from close() or, for a loader dropped without close(), from the GC or
+        # at interpreter exit: either way every run must learn that the loader is gone.
+        shared.closed = True
+        for run in list(runs):
+            DataLoader._close_soon(run)
         tracer = recorder.tracer
         if tracer is not None:
             recorder.tracer = None
@@ -360,17 +369,23 @@ class DataLoader:
         An iterator still running in another thread or task ends with
         :class:`~aioloader.LoaderClosedError`. A pool or executor passed in is left running.
         """
-        with self._lock:
-            if self._state is _State.CLOSED:
-                return
-            self._state = _State.CLOSED
-            self._shared.closed = True
-            runs = list(self._runs)
-            self._spec = None
+        runs = self._mark_closed()
+        if runs is None:
+            return
         portal = self._portal_box[0]
         for run in runs:
             self._close_run_from_outside(run, portal)
         self._finalizer()
+
+    def _mark_closed(self) -> list[EpochRun] | None:
+        """Flip the loader to CLOSED (so every run sees it), or ``None`` if it already was."""
+        with self._lock:
+            if self._state is _State.CLOSED:
+                return None
+            self._state = _State.CLOSED
+            self._shared.closed = True
+            self._spec = None
+            return list(self._runs)
 
     @staticmethod
     def _close_run_from_outside(run: EpochRun, portal: Portal | None) -> None:
@@ -396,11 +411,22 @@ class DataLoader:
 
     async def aclose(self) -> None:
         """Async twin of :meth:`close`; the pool shutdown runs off the event loop."""
-        with self._lock:
-            runs = [r for r in self._runs if r.loop is asyncio.get_running_loop()]
+        loop = asyncio.get_running_loop()
+        runs = self._mark_closed()
+        if runs is None:
+            return
+        portal = self._portal_box[0]
         for run in runs:
-            await run.aclose()
-        await asyncio.get_running_loop().run_in_executor(None, self.close)
+            if run.loop is loop:
+                await run.aclose()
+        others = [r for r in runs if r.loop is not loop]
+
+        def teardown() -> None:
+            for run in others:
+                self._close_run_from_outside(run, portal)
+            self._finalizer()
+
+        await loop.run_in_executor(None, teardown)
 
     def __enter__(self) -> DataLoader:
         return self
@@ -486,6 +512,8 @@ class DataLoader:
         """Make the next iteration run epoch ``epoch`` (an explicit alternative to counting)."""
         epoch = _check_int("epoch", epoch, 0)
         with self._lock:
+            if epoch == self._next_epoch and self._resume is None:
+                return  # already next: keep a speculative start of this epoch
             self._next_epoch = epoch
             self._resume = None
             self._discard_spec()
@@ -617,7 +645,7 @@ class DataLoader:
                 yield batch
         finally:
             await run.aclose()
-            if not run.finished:
+            if not run.complete:
                 self._discard_spec_for(run)
 
     def _discard_spec_for(self, run: EpochRun) -> None:
@@ -638,10 +666,12 @@ class DataLoader:
         portal = self._portal()
         if portal.in_portal():
             raise RuntimeError("cannot iterate a DataLoader synchronously from its own event-loop thread")
-        run = portal.call(self._start())
-        return self._iterate(portal, run)
+        return self._iterate(portal)
 
-    def _iterate(self, portal: Portal, run: EpochRun) -> Iterator[Any]:
+    def _iterate(self, portal: Portal) -> Iterator[Any]:
+        # The epoch starts at the first next(), like the async face: an iterator that is
+        # created and dropped unused costs nothing and skips no epoch.
+        run = portal.call(self._start())
         try:
             while True:
                 if self._state is _State.CLOSED or portal.loop.is_closed():
@@ -663,7 +693,7 @@ class DataLoader:
 
     async def _finish(self, run: EpochRun) -> None:
         await run.aclose()
-        if not run.finished:
+        if not run.complete:
             self._discard_spec_for(run)
 
     # -------------------------------------------------------------------- resume
@@ -674,7 +704,7 @@ class DataLoader:
             if self._resume is not None:
                 epoch, done = self._resume.epoch, set(self._resume.done)
                 carry, sampler_state = self._resume.carry, self._resume.sampler_state
-            elif self._latest is not None and not self._latest.run.finished:
+            elif self._latest is not None and not self._latest.run.closed:
                 meta = self._latest
                 epoch, done = meta.run.epoch, meta.done()
                 carry, sampler_state = meta.plan.carry_in, meta.sampler_state
@@ -745,15 +775,29 @@ class DataLoader:
             raise StateDictError(
                 "state dict holds a sampler state but this loader's sampler has no load_state_dict"
             )
+        try:
+            seed, epoch = int(state["seed"]), int(state["epoch"])
+            prefix = int(state["next_position"])
+            after = [int(p) for p in state.get("delivered_after", [])]
+            rollover = [int(i) for i in state.get("rollover", [])]
+        except KeyError as exc:
+            raise StateDictError(f"state dict lacks the key {exc.args[0]!r}") from None
+        except (TypeError, ValueError) as exc:
+            raise StateDictError(f"state dict holds a malformed value: {exc}") from None
+        n_batches = self._planner.num_batches(len(rollover))
+        if seed < 0 or epoch < 0 or not 0 <= prefix <= n_batches or any(not prefix < p < n_batches for p in after):
+            raise StateDictError(
+                f"state dict positions are out of range: seed={seed}, epoch={epoch}, "
+                f"next_position={prefix}, delivered_after={after} for {n_batches} batches"
+            )
         with self._lock:
             self._check_open()
-            self.seed = int(state["seed"])
+            self.seed = seed
             self._planner.seed = self.seed
             self._discard_spec()
-            prefix = int(state["next_position"])
-            done = set(range(prefix)) | {int(p) for p in state.get("delivered_after", [])}
-            carry = np.asarray(state.get("rollover", []), dtype=np.int64)
-            self._resume = _Resume(int(state["epoch"]), done, carry, sampler_state)
+            done = set(range(prefix)) | set(after)
+            carry = np.asarray(rollover, dtype=np.int64)
+            self._resume = _Resume(epoch, done, carry, sampler_state)
             self._latest = None
 
     # --------------------------------------------------------------------- misc

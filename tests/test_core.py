@@ -162,16 +162,16 @@ def test_in_flight_bound_recorded_in_workers(collect, tmp_path: Path, prefetch: 
     seen: list[int] = []
 
     with aioloader.DataLoader(RecordingDataset(n, str(log)), bs, num_workers=2, prefetch=prefetch) as loader:
-        it = iter(loader)
-        for taken in range(total):
+        it = iter(loader)  # the epoch starts at the first next()
+        for taken in range(1, total + 1):
+            next(it)
             bound = min(taken + prefetch, total)
             wait_until(lambda b=bound: fetched_batches() >= b, 20.0, f"{bound} batches fetched")
             seen.append(fetched_batches())
             assert fetched_batches() <= bound, (taken, fetched_batches(), bound)
-            next(it)
         with pytest.raises(StopIteration):
             next(it)
-    assert seen == [min(t + prefetch, total) for t in range(total)]
+    assert seen == [min(t + prefetch, total) for t in range(1, total + 1)]
 
 
 def test_in_flight_bound_async(tmp_path: Path) -> None:
