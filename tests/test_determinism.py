@@ -303,3 +303,29 @@ def test_distributed_sampler_for_other_loaders() -> None:
     assert set().union(*map(set, parts)) == set(range(10))
     with pytest.raises(ValueError, match="rank"):
         aioloader.DistributedSampler(10, 3, 3)
+
+
+def test_state_dict_after_break_points_at_the_next_epoch() -> None:
+    # Like torch: breaking out ends the epoch for this loader; the saved state agrees.
+    with aioloader.DataLoader(RangeDataset(20), 4, shuffle=True, seed=2) as loader:
+        for i, _ in enumerate(loader):
+            if i == 1:
+                break
+        state = loader.state_dict()
+        live_next = next(iter(loader))[1].tolist()
+    assert state["epoch"] == 1 and state["batches_delivered"] == 0
+    with aioloader.DataLoader(RangeDataset(20), 4, shuffle=True, seed=2) as resumed:
+        resumed.load_state_dict(state)
+        assert next(iter(resumed))[1].tolist() == live_next
+
+
+def test_set_epoch_to_the_next_epoch_keeps_the_speculative_start() -> None:
+    with aioloader.DataLoader(RangeDataset(32), 4, num_workers=2, shuffle=True, seed=0) as loader:
+        for epoch in range(3):
+            loader.set_epoch(epoch)  # the torch idiom, once per epoch
+            if epoch:
+                assert loader._spec is not None and loader._spec[0].epoch == epoch
+            list(loader)
+        loader.set_epoch(7)  # a jump: the speculative epoch 3 is dropped
+        assert loader._spec is None
+        assert [e.epoch for e in loader.stats().epochs] == [0, 1, 2]

@@ -542,3 +542,37 @@ def test_interpreter_exit_never_hangs_on_open_loaders(tmp_path: Path) -> None:
     assert out.strip() == "exiting"
     assert "Traceback" not in err, err
     wait_until(lambda: not _group_alive(proc.pid), 20.0, "the script's processes to exit")
+
+
+def test_aclose_from_another_task_ends_iteration_with_loader_closed(tmp_path: Path) -> None:
+    arrived, release = tmp_path / "arrived", tmp_path / "release"
+
+    async def main() -> BaseException | None:
+        loader = aioloader.DataLoader(GatedDataset(40, 9, str(arrived), str(release)), 4, num_workers=2)
+        outcome: list[BaseException | None] = []
+
+        async def consume() -> None:
+            try:
+                async for _ in loader:
+                    pass
+                outcome.append(None)
+            except BaseException as exc:
+                outcome.append(exc)
+
+        task = asyncio.create_task(consume())
+        while not arrived.exists():
+            await asyncio.sleep(0.005)  # polling a file the worker writes
+        await loader.aclose()
+        release.touch()
+        await task
+        return outcome[0]
+
+    assert isinstance(asyncio.run(main()), aioloader.LoaderClosedError)
+
+
+def test_malformed_state_dicts_raise_state_dict_error() -> None:
+    with aioloader.DataLoader(RangeDataset(20), 4) as loader:
+        good = loader.state_dict()
+        for bad in ({k: v for k, v in good.items() if k != "epoch"}, {**good, "next_position": 99}, {**good, "seed": "x"}):
+            with pytest.raises(aioloader.StateDictError):
+                loader.load_state_dict(bad)
