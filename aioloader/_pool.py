@@ -138,6 +138,7 @@ class WorkerPool:
         # The finalizer must not reference self: it gets a box holding the live generation.
         self._box: list[Generation | None] = [None]
         self._finalizer = weakref.finalize(self, WorkerPool._shutdown_gen, self._box)
+        _live_boxes[id(self._box)] = self._box
 
     @property
     def closed(self) -> bool:
@@ -270,8 +271,12 @@ class WorkerPool:
     @staticmethod
     def _autopsy(gen: Generation) -> CrashInfo:
         procs = dict(gen.processes or {})
-        # The pool's manager thread terminates the survivors right after it notices the
-        # death; give the dead one a moment to be reaped so its exit code is readable.
+        # Let the pool's manager thread finish first: it terminates the survivors and joins
+        # every process. Reading exit codes while it joins races with it on forkserver's
+        # status pipe (the loser reads EOF and records 255 instead of the real code).
+        manager = getattr(gen.executor, "_executor_manager_thread", None)
+        if manager is not None and manager is not threading.current_thread():
+            manager.join(5.0)
         deadline = time.monotonic() + 1.0
         codes: dict[int, int | None] = {}
         while True:
@@ -331,6 +336,7 @@ class WorkerPool:
 
     @staticmethod
     def _shutdown_gen(box: list[Generation | None]) -> None:
+        _live_boxes.pop(id(box), None)
         gen = box[0]
         box[0] = None
         if gen is not None and gen.owned:
@@ -386,6 +392,28 @@ def _retire(gen: Generation, grace: float) -> None:
     if manager is not None and manager is not threading.current_thread():
         manager.join(10.0)
 
+
+# Generation boxes of the pools not yet shut down (removed by _shutdown_gen).
+_live_boxes: dict[int, list[Generation | None]] = {}
+
+
+def _retire_all_at_exit() -> None:
+    """Interpreter exit: stop every owned pool's workers before ``concurrent.futures``
+    waits for them.
+
+    ``concurrent.futures.process`` registers a hook (run before ``atexit``) that joins each
+    pool's manager thread, which waits for running tasks: a worker stuck in a sample would
+    hang the exit, Ctrl-C included. Threading exit hooks run newest first, and this one is
+    registered after that module's, so it runs first and kills what is still running.
+    """
+    for box in list(_live_boxes.values()):
+        gen = box[0]
+        box[0] = None
+        if gen is not None and gen.owned and gen.processes is not None:
+            _retire(gen, grace=0.1)
+
+
+threading._register_atexit(_retire_all_at_exit)  # type: ignore[attr-defined]
 
 _preload_lock = threading.Lock()
 

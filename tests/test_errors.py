@@ -134,7 +134,9 @@ def test_worker_crash_is_survived_and_epoch_identical(collect, tmp_path: Path, c
         # two workers may die in the same pool incarnation: one rebuild covers both
         assert 1 <= loader.stats().restarts <= len(crash_at)
         for i in crash_at:
-            assert (tmp_path / f"crashed-{i}").read_text() == "x"  # each crashed exactly once
+            # each crashed at most once (the file may be empty: a worker can be terminated,
+            # because another one died, between creating its marker and writing to it)
+            assert (tmp_path / f"crashed-{i}").read_text() in ("x", "")
         # and the next epoch is fine too
         assert len(collect(loader)) == n // bs
 
@@ -284,10 +286,16 @@ KEYBOARD_SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("face", ["for", "async-for"])
+@pytest.mark.parametrize("face", ["for", "async-for", "for-hung-sample"])
 def test_ctrl_c_prints_one_traceback_and_leaves_nothing(tmp_path: Path, face: str) -> None:
     ready = tmp_path / "ready"
     script = KEYBOARD_SCRIPT.format(root=str(Path(__file__).resolve().parents[1]), ready=str(ready))
+    if face == "for-hung-sample":
+        # a worker stuck in a sample (no timeout set) must not hold up the exit either
+        script = script.replace(
+            "from tests._datasets import SlowDataset",
+            "from tests._datasets import HangDataset as SlowDataset",
+        ).replace("SlowDataset(100000, 0.002)", "SlowDataset(100000, 30)")
     if face == "async-for":
         script = script.replace(
             "        for i, batch in enumerate(loader):\n            if i == 2:\n                ready.touch()",
