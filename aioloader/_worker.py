@@ -45,6 +45,25 @@ __all__ = [
 ]
 
 NEED_PAYLOAD = "__aioloader_need_payload__"
+
+
+def _imported_by_forkserver_preload() -> bool:
+    frame: Any = sys._getframe()
+    suffix = os.path.join("multiprocessing", "forkserver.py")
+    while frame is not None:
+        if frame.f_code.co_name == "main" and frame.f_code.co_filename.endswith(suffix):
+            return True
+        frame = frame.f_back
+    return False
+
+
+# Workers must ignore Ctrl-C from birth, not only from the pool initializer on: a worker
+# still starting when the terminal's SIGINT reaches the process group would print a
+# KeyboardInterrupt traceback of its own. The forkserver hands its children the SIGINT
+# disposition it found after its preloads, so when this module is preloaded there (the
+# pool arranges that) it sets "ignore". Only the forkserver process is affected.
+if _imported_by_forkserver_preload():
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 _MAX_CONTEXTS = 16  # loaders remembered per worker process (LRU) when a pool is shared
 
 
