@@ -903,10 +903,23 @@ class StreamLoader:
     async def aclose(self) -> None:
         """Async twin of :meth:`close`: the iteration on this loop is closed here, the
         pool shutdown runs off the event loop."""
-        run = self._active
-        if run is not None and run.loop is asyncio.get_running_loop():
+        loop = asyncio.get_running_loop()
+        # Mark closed first, so a consumer in another task sees LoaderClosedError.
+        with self._lock:
+            if self._state is _State.CLOSED:
+                return
+            self._state = _State.CLOSED
+            run, self._active = self._active, None
+        if run is not None and run.loop is loop:
             await run.aclose()
-        await asyncio.get_running_loop().run_in_executor(None, self.close)
+            run = None
+
+        def teardown() -> None:
+            if run is not None:
+                _close_run_from_outside(run)
+            self._finalizer()
+
+        await loop.run_in_executor(None, teardown)
 
     def __enter__(self) -> StreamLoader:
         return self
