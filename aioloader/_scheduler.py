@@ -201,7 +201,7 @@ class EpochRun:
                 if t is not None:
                     self._take(t)
                 await self.aclose()
-                if cfg.is_closed() and not _cancelling():
+                if cfg.is_closed() and not cancelling():
                     raise LoaderClosedError("the loader was closed while it was being iterated") from None
                 raise
             except Exception as exc:
@@ -323,7 +323,7 @@ class Dispatcher:
                 finally:
                     self._running.pop(task_id, None)
             except asyncio.CancelledError:
-                if self.stopping or self.is_closed() or _cancelling():
+                if self.stopping or self.is_closed() or cancelling():
                     raise  # this task itself is being cancelled
                 if task_id in self._timed_out:
                     raise self._timeout_error(label, indices) from None
@@ -417,7 +417,7 @@ class _Closed:
 _CLOSED: Any = _Closed()
 
 
-def _cancelling() -> bool:
+def cancelling() -> bool:
     """Is the current task itself being cancelled (as opposed to something it awaited)?"""
     task = asyncio.current_task()
     cancelling = getattr(task, "cancelling", None)

@@ -78,7 +78,6 @@ import math
 import mmap
 import os
 import secrets
-import select
 import threading
 import time
 import warnings
@@ -470,20 +469,9 @@ class _Arena:
             _worker.on_orphaned(self.consumer_died)
 
     def _watch(self) -> None:
-        pid = self.consumer_pid
-        try:
-            fd = os.pidfd_open(pid)
-        except ProcessLookupError:
-            fd = -1
-        except (AttributeError, OSError):  # no pidfd (old kernel, other OS): poll
-            while _pid_alive(pid):
-                time.sleep(0.5)
-            fd = -1
-        if fd >= 0:
-            try:
-                select.select([fd], [], [])  # readable once the process has exited
-            finally:
-                os.close(fd)
+        from ._worker import wait_for_exit
+
+        wait_for_exit(self.consumer_pid)
         self.consumer_died()
 
     def consumer_died(self) -> None:

@@ -176,6 +176,30 @@ def on_orphaned(hook: Callable[[], None]) -> None:
     _orphan_hooks.append(hook)
 
 
+def wait_for_exit(pid: int) -> None:
+    """Block until process ``pid`` has exited (a pidfd where the kernel has them, else
+    polling twice a second)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    except (AttributeError, OSError):  # no pidfd: poll
+        while True:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return
+            except PermissionError:
+                pass
+            time.sleep(0.5)
+    import select
+
+    try:
+        select.select([fd], [], [])  # readable once the process has exited
+    finally:
+        os.close(fd)
+
+
 def _exit_when_orphaned(consumer_pid: int) -> None:
     """Daemon thread of an owned worker: exit once the consumer is gone.
 
@@ -183,27 +207,7 @@ def _exit_when_orphaned(consumer_pid: int) -> None:
     not tell a blocked worker that the consumer was killed (SIGKILL, OOM): without this,
     such workers would live on forever.
     """
-    try:
-        fd = os.pidfd_open(consumer_pid)
-    except ProcessLookupError:
-        fd = -1
-    except (AttributeError, OSError):  # no pidfd: poll
-        while True:
-            try:
-                os.kill(consumer_pid, 0)
-            except ProcessLookupError:
-                break
-            except PermissionError:
-                pass
-            time.sleep(0.5)
-        fd = -1
-    if fd >= 0:
-        import select
-
-        try:
-            select.select([fd], [], [])  # readable once the process has exited
-        finally:
-            os.close(fd)
+    wait_for_exit(consumer_pid)
     for hook in list(_orphan_hooks):
         try:
             hook()

@@ -6,9 +6,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import contextlib
-import enum
 import os
-import pickle
 import secrets
 import threading
 import uuid
@@ -21,6 +19,15 @@ import numpy as np
 
 from . import _worker
 from ._collate import default_collate
+from ._lifecycle import (
+    ClosedFlag,
+    LifecycleMixin,
+    State,
+    check_int,
+    close_run_from_outside,
+    close_run_soon,
+    pickle_for_workers,
+)
 from ._pool import WorkerPool
 from ._portal import Portal
 from ._sampler import BatchPlanner, EpochPlan, LastBatch, ShardPolicy
@@ -28,22 +35,11 @@ from ._scheduler import EpochRun, RunConfig
 from ._stats import LoaderStats, Recorder
 from ._trace import Tracer
 from ._transport import Transport, TransportKind, make_transport
-from .errors import DatasetPickleError, LoaderClosedError, StateDictError
+from .errors import LoaderClosedError, StateDictError
 
 __all__ = ["DataLoader"]
 
 STATE_VERSION = 1
-
-
-class _State(enum.Enum):
-    OPEN = "open"
-    CLOSED = "closed"
-
-
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return int(value)
 
 
 def _check_choice(name: str, value: Any, choices: Sequence[str]) -> Any:
@@ -52,20 +48,15 @@ def _check_choice(name: str, value: Any, choices: Sequence[str]) -> Any:
     return value
 
 
-class _Shared:
-    """State the loader shares with its epoch runs. Runs hold this, never the loader, so
-    a loader dropped while work is still pending on a loop is collected (and its
-    finalizer shuts everything down) at once."""
+class _Shared(ClosedFlag):
+    """What the loader shares with its epoch runs (see :class:`ClosedFlag`)."""
 
     def __init__(self) -> None:
-        self.closed = False
+        super().__init__()
         self.payload: bytes | None = None
 
     def get_payload(self) -> bytes | None:
         return self.payload
-
-    def is_closed(self) -> bool:
-        return self.closed
 
 
 def _weak_callback(method: Callable[[EpochRun], None]) -> Callable[[EpochRun], None]:
@@ -100,7 +91,7 @@ class _RunMeta:
         return self.done_before | set(self.run.delivered)
 
 
-class DataLoader:
+class DataLoader(LifecycleMixin):
     """Batches from a map-style dataset, built by a persistent pool of workers.
 
     Iterate with ``for batch in loader`` or ``async for batch in loader``: both run the
@@ -187,7 +178,7 @@ class DataLoader:
             )
         length = len(dataset)
         batch_size_given = batch_size != 1
-        batch_size = _check_int("batch_size", batch_size, 1)
+        batch_size = check_int("batch_size", batch_size, 1)
         _check_choice("last_batch", last_batch, ("keep", "discard", "rollover"))
         if drop_last is not None:
             if not isinstance(drop_last, bool):
@@ -223,18 +214,18 @@ class DataLoader:
             raise TypeError(f"collate_fn must be callable, got {collate_fn!r}")
         if worker_init_fn is not None and not callable(worker_init_fn):
             raise TypeError(f"worker_init_fn must be callable, got {worker_init_fn!r}")
-        num_workers = _check_int("num_workers", num_workers, 0)
+        num_workers = check_int("num_workers", num_workers, 0)
         if prefetch is not None:
-            prefetch = _check_int("prefetch", prefetch, 1)
+            prefetch = check_int("prefetch", prefetch, 1)
         if timeout is not None:
             if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
                 raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
         if seed is not None:
-            seed = _check_int("seed", seed, 0)
+            seed = check_int("seed", seed, 0)
         _check_choice("on_error", on_error, ("raise", "skip"))
         if max_skipped is not None:
-            max_skipped = _check_int("max_skipped", max_skipped, 0)
-        max_retries = _check_int("max_retries", max_retries, 0)
+            max_skipped = check_int("max_skipped", max_skipped, 0)
+        max_retries = check_int("max_retries", max_retries, 0)
         _check_choice("shard_policy", shard_policy, ("pad", "drop", "uneven"))
         if shard is None:
             shard = (0, 1)
@@ -301,7 +292,7 @@ class DataLoader:
             shard_policy=shard_policy,
         )
         self._token = f"{uuid.uuid4().hex}"
-        self._state = _State.OPEN
+        self._state = State.OPEN
         self._shared = _Shared()
         self._lock = threading.RLock()
         self._prepared = False
@@ -344,7 +335,7 @@ class DataLoader:
         # at interpreter exit: either way every run must learn that the loader is gone.
         shared.closed = True
         for run in list(runs):
-            DataLoader._close_soon(run)
+            close_run_soon(run)
         tracer = recorder.tracer
         if tracer is not None:
             recorder.tracer = None
@@ -361,7 +352,7 @@ class DataLoader:
 
     @property
     def closed(self) -> bool:
-        return self._state is _State.CLOSED
+        return self._state is State.CLOSED
 
     def close(self) -> None:
         """Stop all iteration, shut down the loader's own pool and thread. Idempotent.
@@ -372,42 +363,19 @@ class DataLoader:
         runs = self._mark_closed()
         if runs is None:
             return
-        portal = self._portal_box[0]
         for run in runs:
-            self._close_run_from_outside(run, portal)
+            close_run_from_outside(run)
         self._finalizer()
 
     def _mark_closed(self) -> list[EpochRun] | None:
         """Flip the loader to CLOSED (so every run sees it), or ``None`` if it already was."""
         with self._lock:
-            if self._state is _State.CLOSED:
+            if self._state is State.CLOSED:
                 return None
-            self._state = _State.CLOSED
+            self._state = State.CLOSED
             self._shared.closed = True
             self._spec = None
             return list(self._runs)
-
-    @staticmethod
-    def _close_run_from_outside(run: EpochRun, portal: Portal | None) -> None:
-        loop = run.loop
-        if loop.is_closed():
-            return
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is loop:
-            loop.create_task(run.aclose())
-            return
-        try:
-            fut = asyncio.run_coroutine_threadsafe(run.aclose(), loop)
-        except RuntimeError:
-            return
-        if loop.is_running():
-            try:
-                fut.result(10.0)
-            except (cf.TimeoutError, cf.CancelledError, RuntimeError):
-                pass
 
     async def aclose(self) -> None:
         """Async twin of :meth:`close`; the pool shutdown runs off the event loop."""
@@ -415,7 +383,6 @@ class DataLoader:
         runs = self._mark_closed()
         if runs is None:
             return
-        portal = self._portal_box[0]
         for run in runs:
             if run.loop is loop:
                 await run.aclose()
@@ -423,26 +390,10 @@ class DataLoader:
 
         def teardown() -> None:
             for run in others:
-                self._close_run_from_outside(run, portal)
+                close_run_from_outside(run)
             self._finalizer()
 
         await loop.run_in_executor(None, teardown)
-
-    def __enter__(self) -> DataLoader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    async def __aenter__(self) -> DataLoader:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
-
-    def _check_open(self) -> None:
-        if self._state is _State.CLOSED:
-            raise LoaderClosedError("this DataLoader is closed; create a new one to iterate again")
 
     # -------------------------------------------------------------------- payload
     def _make_payload(self) -> bytes:
@@ -454,25 +405,8 @@ class DataLoader:
             seed_samples=self.seed_samples,
             encode=self._transport.encode,
         )
-        try:
-            return pickle.dumps(ctx, protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception as exc:
-            for name, obj in (
-                ("dataset", self.dataset),
-                ("collate_fn", self.collate_fn),
-                ("worker_init_fn", self.worker_init_fn),
-            ):
-                try:
-                    pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-                except Exception as inner:
-                    raise DatasetPickleError(
-                        f"the {name} ({type(obj).__name__}: {obj!r:.80}) cannot be pickled, so it cannot "
-                        f"reach the worker processes: {type(inner).__name__}: {inner}. Define it at module "
-                        "level (not a lambda, local function or class defined inside a function), drop "
-                        "unpicklable members (open files, locks, sockets) or reopen them lazily in "
-                        "__getitem__, or use num_workers=0."
-                    ) from inner
-            raise DatasetPickleError(f"the loader's worker context cannot be pickled: {exc}") from exc
+        parts = (("dataset", self.dataset), ("collate_fn", self.collate_fn), ("worker_init_fn", self.worker_init_fn))
+        return pickle_for_workers(ctx, parts, "DataLoader")
 
     def _prepare(self) -> None:
         """Ship the dataset to the pool (once). Runs before the first batch is submitted."""
@@ -510,7 +444,7 @@ class DataLoader:
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next iteration run epoch ``epoch`` (an explicit alternative to counting)."""
-        epoch = _check_int("epoch", epoch, 0)
+        epoch = check_int("epoch", epoch, 0)
         with self._lock:
             if epoch == self._next_epoch and self._resume is None:
                 return  # already next: keep a speculative start of this epoch
@@ -561,7 +495,7 @@ class DataLoader:
                     if run.submitted_all:  # short epoch: it finished submitting already
                         self._speculate(run)
                     return run
-                self._close_soon(run)
+                close_run_soon(run)
             resume = self._resume
             self._resume = None
             if resume is not None:
@@ -587,7 +521,7 @@ class DataLoader:
         with self._lock:
             if (
                 not self.prefetch_next_epoch
-                or self._state is _State.CLOSED
+                or self._state is State.CLOSED
                 or self._planner.custom is not None
                 or self._resume is not None
                 or self._spec is not None
@@ -606,23 +540,7 @@ class DataLoader:
         spec = self._spec
         self._spec = None
         if spec is not None:
-            self._close_soon(spec[0])
-
-    @staticmethod
-    def _close_soon(run: EpochRun) -> None:
-        loop = run.loop
-        if loop.is_closed():
-            return
-        try:
-            if asyncio.get_running_loop() is loop:
-                loop.create_task(run.aclose())
-                return
-        except RuntimeError:
-            pass
-        try:
-            asyncio.run_coroutine_threadsafe(run.aclose(), loop)
-        except RuntimeError:
-            pass
+            close_run_soon(spec[0])
 
     # ------------------------------------------------------------------ iteration
     async def _start(self) -> EpochRun:
@@ -653,15 +571,6 @@ class DataLoader:
             if self._spec is not None and self._spec[0].sem is run.sem:
                 self._discard_spec()
 
-    def _portal(self) -> Portal:
-        with self._lock:
-            self._check_open()
-            portal = self._portal_box[0]
-            if portal is None:
-                portal = Portal()
-                self._portal_box[0] = portal
-            return portal
-
     def __iter__(self) -> Iterator[Any]:
         portal = self._portal()
         if portal.in_portal():
@@ -674,7 +583,7 @@ class DataLoader:
         run = portal.call(self._start())
         try:
             while True:
-                if self._state is _State.CLOSED or portal.loop.is_closed():
+                if self._state is State.CLOSED or portal.loop.is_closed():
                     raise LoaderClosedError("the loader was closed while it was being iterated")
                 try:
                     batch = portal.call(run.next_batch())

@@ -31,8 +31,6 @@ import asyncio
 import collections
 import concurrent.futures as cf
 import contextlib
-import enum
-import pickle
 import threading
 import time
 import types
@@ -44,13 +42,21 @@ from multiprocessing.context import BaseContext
 from typing import Any, ClassVar, Final, Literal
 
 from ._collate import default_collate
+from ._lifecycle import (
+    ClosedFlag,
+    LifecycleMixin,
+    State,
+    check_int,
+    close_run_from_outside,
+    pickle_for_workers,
+)
 from ._pool import WorkerPool
 from ._portal import Portal
-from ._scheduler import Dispatcher
+from ._scheduler import Dispatcher, cancelling
 from ._stats import LoaderStats, Recorder, _Epoch
 from ._stream_worker import StreamContext, StreamResult, StreamTask, run_stream_batch
 from ._worker import _add_note
-from .errors import DatasetPickleError, LoaderClosedError
+from .errors import LoaderClosedError
 
 __all__ = ["END", "StreamLoader"]
 
@@ -435,13 +441,6 @@ class _Terminal:
         self.error = error
 
 
-def _cancelling() -> bool:
-    """Is the current task itself being cancelled (not merely something it awaited)?"""
-    task = asyncio.current_task()
-    cancelling = getattr(task, "cancelling", None)
-    return bool(cancelling()) if cancelling is not None else True
-
-
 class _StreamRun:
     """One iteration over the source, on the event loop that created it."""
 
@@ -613,7 +612,7 @@ class _StreamRun:
         caller), or the run being closed under it (reported as the end, or as
         :class:`LoaderClosedError` when the whole stream was closed)."""
         await self.aclose()
-        if not _cancelling():
+        if not cancelling():
             if self.cfg.is_closed():
                 raise LoaderClosedError("the StreamLoader was closed while it was being iterated") from None
             raise StopAsyncIteration from None
@@ -659,17 +658,6 @@ class _StreamRun:
 
 
 # ------------------------------------------------------------------------ facade
-class _State(enum.Enum):
-    OPEN = "open"
-    CLOSED = "closed"
-
-
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return int(value)
-
-
 def _check_seconds(name: str, value: Any, *, allow_zero: bool) -> float | None:
     if value is None:
         return None
@@ -680,7 +668,7 @@ def _check_seconds(name: str, value: Any, *, allow_zero: bool) -> float | None:
     return float(value)
 
 
-class StreamLoader:
+class StreamLoader(LifecycleMixin):
     """Batches from an (async) iterable or an ``asyncio.Queue``, built by a worker pool.
 
     ``async for batch in stream`` runs on the caller's event loop and never blocks it;
@@ -741,6 +729,8 @@ class StreamLoader:
     point).
     """
 
+    _portal_name = "aioloader-stream-portal"
+
     END: ClassVar[_EndOfStream] = END
 
     def __init__(
@@ -775,15 +765,15 @@ class StreamLoader:
             raise TypeError(f"batched_fn must be a bool, got {batched_fn!r}")
         if batched_fn and fn is None:
             raise ValueError("batched_fn=True needs an fn")
-        batch_size = _check_int("batch_size", batch_size, 1)
+        batch_size = check_int("batch_size", batch_size, 1)
         max_latency = _check_seconds("max_latency", max_latency, allow_zero=True)
         timeout = _check_seconds("timeout", timeout, allow_zero=False)
-        num_workers = _check_int("num_workers", num_workers, 0)
+        num_workers = check_int("num_workers", num_workers, 0)
         if prefetch is not None:
-            prefetch = _check_int("prefetch", prefetch, 1)
+            prefetch = check_int("prefetch", prefetch, 1)
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be one of 'raise', 'skip'; got {on_error!r}")
-        max_retries = _check_int("max_retries", max_retries, 0)
+        max_retries = check_int("max_retries", max_retries, 0)
         if pool is not None and not isinstance(pool, WorkerPool):
             raise TypeError(f"pool must be an aioloader.WorkerPool, got {pool!r}")
         if pool is not None and executor is not None:
@@ -836,7 +826,8 @@ class StreamLoader:
                 raise
             self._pool.register(self._token, self._payload)
 
-        self._state = _State.OPEN
+        self._state = State.OPEN
+        self._flag = ClosedFlag()  # runs hold this, never the stream itself
         self._lock = threading.RLock()
         self._active: _StreamRun | None = None
         self._iterations = 0
@@ -852,19 +843,7 @@ class StreamLoader:
         )
 
     def _pickle(self, ctx: StreamContext) -> bytes:
-        try:
-            return pickle.dumps(ctx, protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception as exc:
-            for name, obj in (("fn", self.fn), ("collate_fn", self.collate_fn)):
-                try:
-                    pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-                except Exception as inner:
-                    raise DatasetPickleError(
-                        f"the stream's {name} ({obj!r:.80}) cannot be pickled, so it cannot reach "
-                        f"the workers: {type(inner).__name__}: {inner}. Define it at module level "
-                        "(not a lambda or a local function), or use num_workers=0."
-                    ) from inner
-            raise DatasetPickleError(f"the stream's worker context cannot be pickled: {exc}") from exc
+        return pickle_for_workers(ctx, (("fn", self.fn), ("collate_fn", self.collate_fn)), "StreamLoader")
 
     # ------------------------------------------------------------------ lifecycle
     @staticmethod
@@ -883,21 +862,18 @@ class StreamLoader:
         else:
             pool.unregister(token)
 
-    @property
-    def closed(self) -> bool:
-        return self._state is _State.CLOSED
-
     def close(self) -> None:
         """Stop iteration, close the source's iterator, shut down the stream's own pool
         and thread. Idempotent. A consumer still iterating (in another thread or task)
         gets :class:`~aioloader.LoaderClosedError`. A pool or executor passed in stays."""
         with self._lock:
-            if self._state is _State.CLOSED:
+            if self._state is State.CLOSED:
                 return
-            self._state = _State.CLOSED
+            self._state = State.CLOSED
+            self._flag.closed = True
             run, self._active = self._active, None
         if run is not None:
-            _close_run_from_outside(run)
+            close_run_from_outside(run)
         self._finalizer()
 
     async def aclose(self) -> None:
@@ -906,9 +882,10 @@ class StreamLoader:
         loop = asyncio.get_running_loop()
         # Mark closed first, so a consumer in another task sees LoaderClosedError.
         with self._lock:
-            if self._state is _State.CLOSED:
+            if self._state is State.CLOSED:
                 return
-            self._state = _State.CLOSED
+            self._state = State.CLOSED
+            self._flag.closed = True
             run, self._active = self._active, None
         if run is not None and run.loop is loop:
             await run.aclose()
@@ -916,26 +893,10 @@ class StreamLoader:
 
         def teardown() -> None:
             if run is not None:
-                _close_run_from_outside(run)
+                close_run_from_outside(run)
             self._finalizer()
 
         await loop.run_in_executor(None, teardown)
-
-    def __enter__(self) -> StreamLoader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    async def __aenter__(self) -> StreamLoader:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
-
-    def _check_open(self) -> None:
-        if self._state is _State.CLOSED:
-            raise LoaderClosedError("this StreamLoader is closed; create a new one to iterate again")
 
     # ------------------------------------------------------------------ iteration
     def _config(self) -> _StreamConfig:
@@ -951,7 +912,7 @@ class StreamLoader:
             timeout=self.timeout,
             max_retries=self.max_retries,
             recorder=self._recorder,
-            is_closed=lambda: self._state is _State.CLOSED,
+            is_closed=self._flag.is_closed,
         )
 
     async def _start(self) -> _StreamRun:
@@ -982,15 +943,6 @@ class StreamLoader:
                 yield batch
         finally:
             await run.aclose()
-
-    def _portal(self) -> Portal:
-        with self._lock:
-            self._check_open()
-            portal = self._portal_box[0]
-            if portal is None:
-                portal = Portal(name="aioloader-stream-portal")
-                self._portal_box[0] = portal
-            return portal
 
     def __iter__(self) -> Iterator[Any]:
         if isinstance(self.source, asyncio.Queue):
@@ -1063,25 +1015,3 @@ async def _close_run_async(run: _StreamRun) -> None:
         return
     with contextlib.suppress(Exception):
         await asyncio.wrap_future(fut)
-
-
-def _close_run_from_outside(run: _StreamRun) -> None:
-    """Close a run from plain code, whichever thread and loop it lives on."""
-    loop = run.loop
-    if loop.is_closed():
-        return
-    try:
-        running = asyncio.get_running_loop()
-    except RuntimeError:
-        running = None
-    if running is loop:
-        loop.create_task(run.aclose())
-        return
-    if not loop.is_running():  # nobody can run the cleanup; the loop's own shutdown will
-        return
-    try:
-        fut = asyncio.run_coroutine_threadsafe(run.aclose(), loop)
-    except RuntimeError:
-        return
-    with contextlib.suppress(cf.TimeoutError, cf.CancelledError, RuntimeError):
-        fut.result(10.0)

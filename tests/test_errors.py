@@ -496,6 +496,9 @@ def test_workers_exit_when_the_consumer_is_killed(tmp_path: Path) -> None:
         proc.kill()  # SIGKILL: no finalizer, no atexit in the consumer
         proc.wait()
         wait_until(lambda: not any(_alive(p) for p in pids), 20.0, "orphaned workers to exit")
+        # then the consumer's resource tracker exits on its own, unlinking its semaphores
+        # (killing it instead would leave them in /dev/shm)
+        wait_until(lambda: not _group_alive(proc.pid), 20.0, "the dead consumer's helpers to exit")
     finally:
         if proc.poll() is None:
             proc.kill()
