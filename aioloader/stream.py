@@ -42,6 +42,7 @@ from multiprocessing.context import BaseContext
 from typing import Any, ClassVar, Final, Literal
 
 from ._collate import default_collate
+from ._dispatch import Dispatcher, cancelling
 from ._lifecycle import (
     ClosedFlag,
     LifecycleMixin,
@@ -52,7 +53,6 @@ from ._lifecycle import (
 )
 from ._pool import WorkerPool
 from ._portal import Portal
-from ._scheduler import Dispatcher, cancelling
 from ._stats import LoaderStats, Recorder, _Epoch
 from ._stream_worker import StreamContext, StreamResult, StreamTask, run_stream_batch
 from ._worker import _add_note

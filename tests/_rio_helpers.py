@@ -14,8 +14,7 @@ from typing import Any
 
 from aioloader.recordio import IndexedRecordReader, IndexedRecordWriter
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
-MXNET_FIXTURES = SHARED / "fixtures" / "mxnet"
+MXNET_FIXTURES = Path(__file__).resolve().parent / "fixtures" / "mxnet"  # see fixtures/README.md
 
 
 def digest(data: bytes) -> str:

@@ -137,4 +137,4 @@ def collect(request: pytest.FixtureRequest) -> Callable[..., list[Any]]:
     return _collect_sync if request.param == "for" else _collect_async
 
 
-FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures"
+FIXTURES = Path(__file__).resolve().parent / "fixtures"  # copied byte for byte; see fixtures/README.md
