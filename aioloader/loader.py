@@ -18,22 +18,19 @@ from collections.abc import Callable, Iterable, Sequence
 from multiprocessing.context import BaseContext
 from typing import Any, Literal
 
-import numpy as np
-
 from . import _worker
 from ._collate import default_collate
-from ._engine.epochs import Cursor, EpochSource, WorkerSide
-from ._engine.run import Run, RunConfig, add_context
+from ._engine.epochs import Cursor, EpochPass, EpochSource, Parked, WorkerSide
+from ._engine.resume import cursor_from_state, state_from_cursor
+from ._engine.run import Run, RunConfig
 from ._facade import Lifecycle, LoaderBase
 from ._pool import WorkerPool
-from ._sampler import BatchPlanner, EpochPlan, LastBatch, ShardPolicy
+from ._sampler import BatchPlanner, LastBatch, ShardPolicy
 from ._transport import TransportKind
 from ._validate import check_bool, check_choice, check_int, check_seconds
-from .errors import StateDictError, TooManySkippedError
 
 __all__ = ["DataLoader"]
 
-STATE_VERSION = 1
 _FROZEN = frozenset({"dataset", "batch_size", "sampler", "batch_sampler", "drop_last", "last_batch", "shuffle"})
 
 
@@ -87,6 +84,8 @@ class DataLoader(LoaderBase):
         trace: write a Chrome trace-event file here when the loader closes (see
             :meth:`tracing` to trace a part of a run).
     """
+
+    _kind = "DataLoader"
 
     def __init__(
         self,
@@ -222,8 +221,8 @@ class DataLoader(LoaderBase):
             shard_policy=shard_policy,
         )
         self._next = Cursor(0)  # where the next fresh iteration starts
-        self._active: _EpochPass | None = None  # the newest iteration, for state_dict()
-        self._parked: _Parked | None = None  # a run that went on into self._next's epoch
+        self._active: EpochPass | None = None  # the newest iteration, for state_dict()
+        self._parked: Parked | None = None  # a run that went on into self._next's epoch
         self._sources: weakref.WeakSet[EpochSource] = weakref.WeakSet()
         self._initialized = True
 
@@ -285,7 +284,7 @@ class DataLoader(LoaderBase):
         return getter() if callable(getter) else None
 
     # ------------------------------------------------------------------ iteration
-    async def _begin(self) -> _EpochPass:
+    async def _begin(self) -> EpochPass:
         self._check_open()
         loop = asyncio.get_running_loop()
         if self._state is Lifecycle.NEW:
@@ -314,7 +313,17 @@ class DataLoader(LoaderBase):
                 self._sources.add(source)
                 run.start()
             self._next = successor = Cursor(cur.epoch + 1, plan.carry_out)
-            p = self._active = _EpochPass(self, run, source, plan, cur, successor)
+            p = self._active = EpochPass(
+                run,
+                source,
+                plan,
+                cur,
+                successor,
+                lock=self._lock,
+                recorder=self._recorder,
+                max_skipped=self.max_skipped,
+                on_end=self._end_pass,
+            )
             return p
 
     def _run_config(self) -> RunConfig:
@@ -330,7 +339,7 @@ class DataLoader(LoaderBase):
             is_closed=self._shared.is_closed,
         )
 
-    def _end_pass(self, p: _EpochPass) -> bool:
+    def _end_pass(self, p: EpochPass) -> bool:
         """Called when pass ``p`` ends: park its run if it went on into the epoch the
         next iteration will run; returns whether it did (else the caller closes it)."""
         with self._lock:
@@ -345,7 +354,7 @@ class DataLoader(LoaderBase):
             )
             if keep:
                 self._forget_runs()
-                self._parked = _Parked(p.run, p.source, p.successor)
+                self._parked = Parked(p.run, p.source, p.successor)
             return keep
 
     # -------------------------------------------------------------------- resume
@@ -360,17 +369,7 @@ class DataLoader(LoaderBase):
                 cur = self._next
                 if cur.sampler_state is None:
                     cur = Cursor(cur.epoch, cur.carry, cur.prefix, cur.after, self._sampler_state())
-            return {
-                "version": STATE_VERSION,
-                "seed": self.seed,
-                "epoch": int(cur.epoch),
-                "batches_delivered": cur.delivered,
-                "next_position": cur.prefix,
-                "delivered_after": sorted(cur.after),
-                "rollover": [int(i) for i in cur.carry],
-                **self._identity(),
-                "sampler": cur.sampler_state,
-            }
+            return state_from_cursor(cur, self.seed, self._identity())
 
     def _identity(self) -> dict[str, Any]:
         """What a state dict must agree on with the loader it is loaded into."""
@@ -389,47 +388,14 @@ class DataLoader(LoaderBase):
         Raises :class:`~aioloader.StateDictError` naming the first mismatch when the
         state comes from an incompatible loader.
         """
-        if not isinstance(state, dict):
-            raise StateDictError(
-                f"state must be a dict from DataLoader.state_dict(), got {type(state).__name__}"
-            )
-        if state.get("version") != STATE_VERSION:
-            raise StateDictError(
-                f"state version {state.get('version')!r} is not supported (expected {STATE_VERSION})"
-            )
-        for key, value in self._identity().items():
-            if state.get(key) != value:
-                raise StateDictError(
-                    f"state dict does not match this loader: {key} is {state.get(key)!r} in the state "
-                    f"but {value!r} here"
-                )
-        sampler_state = state.get("sampler")
-        if sampler_state is not None and not callable(getattr(self._planner.custom, "load_state_dict", None)):
-            raise StateDictError(
-                "state dict holds a sampler state but this loader's sampler has no load_state_dict"
-            )
-        try:
-            seed, epoch = int(state["seed"]), int(state["epoch"])
-            prefix = int(state["next_position"])
-            after = [int(p) for p in state.get("delivered_after", [])]
-            rollover = [int(i) for i in state.get("rollover", [])]
-        except KeyError as exc:
-            raise StateDictError(f"state dict lacks the key {exc.args[0]!r}") from None
-        except (TypeError, ValueError) as exc:
-            raise StateDictError(f"state dict holds a malformed value: {exc}") from None
-        n_batches = self._planner.num_batches(len(rollover))
-        if seed < 0 or epoch < 0 or not 0 <= prefix <= n_batches or any(not prefix < p < n_batches for p in after):
-            raise StateDictError(
-                f"state dict positions are out of range: seed={seed}, epoch={epoch}, "
-                f"next_position={prefix}, delivered_after={after} for {n_batches} batches"
-            )
+        seed, cursor = cursor_from_state(
+            state, self._identity(), sampler=self._planner.custom, num_batches=self._planner.num_batches
+        )
         with self._lock:
             self._check_open()
-            self.seed = seed
-            self._planner.seed = seed
+            self.seed = self._planner.seed = seed
             self._forget_runs()
-            carry = np.asarray(rollover, dtype=np.int64)
-            self._next = Cursor(epoch, carry, prefix, frozenset(after), sampler_state)
+            self._next = cursor
             self._active = None
 
     def __repr__(self) -> str:
@@ -445,70 +411,3 @@ def _dataset_length(dataset: Any) -> int:
             f"dataset must be map-style (define __len__ and __getitem__), got {type(dataset).__name__}"
         )
     return len(dataset)
-
-
-class _Parked:
-    """A run whose epoch ended while its source went on into the next one."""
-
-    def __init__(self, run: Run, source: EpochSource, successor: Cursor) -> None:
-        self.run = run
-        self.source = source
-        self.successor = successor
-
-
-class _EpochPass:
-    """One consumer's pass over one epoch (see :class:`~aioloader._facade.Pass`)."""
-
-    def __init__(
-        self, loader: DataLoader, run: Run, source: EpochSource, plan: EpochPlan, cursor: Cursor, successor: Cursor
-    ) -> None:
-        self.loader = loader
-        self.run = run
-        self.source = source
-        self.epoch = plan.epoch
-        self.n = len(plan)
-        self.cursor = cursor
-        self.successor = successor
-        self.left = cursor.remaining(self.n)
-        self.skipped: list[tuple[int, str]] = []
-        self.rec = loader._recorder.epoch_started(plan.epoch)
-        self.finished = False
-
-    async def next(self) -> Any:
-        loader = self.loader
-        while True:
-            if self.left <= 0:
-                raise StopAsyncIteration
-            try:
-                d = await self.run.next(self.rec, self.epoch)
-            except Exception as exc:
-                if not isinstance(exc, StopAsyncIteration):
-                    add_context(exc, f"aioloader: raised while loading epoch {self.epoch}")
-                raise
-            self.left -= 1
-            with loader._lock:
-                self.cursor = self.cursor.deliver(d.unit.key)  # type: ignore[attr-defined]
-            if d.skipped:
-                self._count_skipped(d.skipped)
-            if d.data is not None:
-                return d.data
-
-    def _count_skipped(self, skipped: tuple[tuple[int, str], ...]) -> None:
-        self.skipped.extend(skipped)
-        self.loader._recorder.skipped += len(skipped)
-        limit = self.loader.max_skipped
-        if limit is not None and len(self.skipped) > limit:
-            self.run.close_threadsafe()
-            raise TooManySkippedError(
-                f"on_error='skip' dropped {len(self.skipped)} samples in epoch {self.epoch}, "
-                f"more than max_skipped={limit}; first: index "
-                f"{self.skipped[0][0]} ({self.skipped[0][1]})",
-                skipped=list(self.skipped),
-            )
-
-    async def finish(self) -> None:
-        if self.finished:
-            return
-        self.finished = True
-        if not self.loader._end_pass(self):
-            await self.run.aclose()

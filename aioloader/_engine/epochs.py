@@ -1,5 +1,6 @@
 """The DataLoader's unit source: the batches of an epoch plan, then, as a policy, the
-next epoch's first batches while the consumer finishes this one.
+next epoch's first batches while the consumer finishes this one; and the consumer's
+side of it, one :class:`EpochPass` per epoch iterated.
 
 Where a loader stands is one frozen :class:`Cursor`: an epoch, the samples rolled over
 into it, and the batch positions already delivered (a prefix, plus the few delivered out
@@ -10,6 +11,7 @@ Nothing here is O(epoch length) beyond what the plan itself costs.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,8 +20,11 @@ import numpy as np
 
 from .. import _worker
 from .._sampler import EpochPlan
+from .._stats import Recorder
+from ..errors import TooManySkippedError
+from .run import Run, add_context
 
-__all__ = ["Cursor", "EpochSource", "EpochUnit", "WorkerSide"]
+__all__ = ["Cursor", "EpochPass", "EpochSource", "EpochUnit", "Parked", "WorkerSide"]
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -155,3 +160,85 @@ class EpochSource:
     async def aclose(self) -> None:
         self.follow = None
         self._advanced.set()
+
+
+class Parked:
+    """A run whose epoch ended while its source went on into the next one."""
+
+    def __init__(self, run: Run, source: EpochSource, successor: Cursor) -> None:
+        self.run = run
+        self.source = source
+        self.successor = successor
+
+
+class EpochPass:
+    """One consumer's pass over one epoch, from ``cursor`` (``await next()`` a batch,
+    ``await finish()`` at the end). ``on_end(pass)`` tells the loader it ended and
+    returns whether the loader keeps the run (it went on into the next epoch);
+    otherwise the pass closes it."""
+
+    def __init__(
+        self,
+        run: Run,
+        source: EpochSource,
+        plan: EpochPlan,
+        cursor: Cursor,
+        successor: Cursor,
+        *,
+        lock: threading.RLock,
+        recorder: Recorder,
+        max_skipped: int | None,
+        on_end: Callable[[EpochPass], bool],
+    ) -> None:
+        self.run = run
+        self.source = source
+        self.epoch = plan.epoch
+        self.n = len(plan)
+        self.cursor = cursor
+        self.successor = successor
+        self.left = cursor.remaining(self.n)
+        self.skipped: list[tuple[int, str]] = []
+        self.lock = lock
+        self.recorder = recorder
+        self.max_skipped = max_skipped
+        self.on_end = on_end
+        self.rec = recorder.epoch_started(plan.epoch)
+        self.finished = False
+
+    async def next(self) -> Any:
+        while True:
+            if self.left <= 0:
+                raise StopAsyncIteration
+            try:
+                d = await self.run.next(self.rec, self.epoch)
+            except Exception as exc:
+                if not isinstance(exc, StopAsyncIteration):
+                    add_context(exc, f"aioloader: raised while loading epoch {self.epoch}")
+                raise
+            self.left -= 1
+            with self.lock:
+                self.cursor = self.cursor.deliver(d.unit.key)  # type: ignore[attr-defined]
+            if d.skipped:
+                self._count_skipped(d.skipped)
+            if d.data is not None:
+                return d.data
+
+    def _count_skipped(self, skipped: tuple[tuple[int, str], ...]) -> None:
+        self.skipped.extend(skipped)
+        self.recorder.skipped += len(skipped)
+        limit = self.max_skipped
+        if limit is not None and len(self.skipped) > limit:
+            self.run.close_threadsafe()
+            raise TooManySkippedError(
+                f"on_error='skip' dropped {len(self.skipped)} samples in epoch {self.epoch}, "
+                f"more than max_skipped={limit}; first: index "
+                f"{self.skipped[0][0]} ({self.skipped[0][1]})",
+                skipped=list(self.skipped),
+            )
+
+    async def finish(self) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        if not self.on_end(self):
+            await self.run.aclose()
