@@ -14,9 +14,9 @@ import concurrent.futures as cf
 import os
 import secrets
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from multiprocessing.context import BaseContext
-from typing import Any, Literal
+from typing import Any, Generic, Literal
 
 from . import _worker
 from ._collate import default_collate
@@ -27,6 +27,7 @@ from ._facade import Lifecycle, LoaderBase
 from ._pool import WorkerPool
 from ._sampler import BatchPlanner, LastBatch, ShardPolicy
 from ._transport import TransportKind
+from ._types import Batch, BatchSampler, CollateFn, MapDataset, Sampler
 from ._validate import check_bool, check_choice, check_int, check_seconds
 
 __all__ = ["DataLoader"]
@@ -34,7 +35,7 @@ __all__ = ["DataLoader"]
 _FROZEN = frozenset({"dataset", "batch_size", "sampler", "batch_sampler", "drop_last", "last_batch", "shuffle"})
 
 
-class DataLoader(LoaderBase):
+class DataLoader(LoaderBase, Generic[Batch]):
     """Batches from a map-style dataset, built by a persistent pool of workers.
 
     Iterate with ``for batch in loader`` or ``async for batch in loader``: both run the
@@ -89,15 +90,15 @@ class DataLoader(LoaderBase):
 
     def __init__(
         self,
-        dataset: Any,
+        dataset: MapDataset[Any],
         batch_size: int = 1,
         *,
         shuffle: bool = False,
-        sampler: Iterable[int] | None = None,
-        batch_sampler: Iterable[Sequence[int]] | None = None,
+        sampler: Sampler | Iterable[int] | None = None,
+        batch_sampler: BatchSampler | None = None,
         last_batch: LastBatch = "keep",
         drop_last: bool | None = None,
-        collate_fn: Callable[[list[Any]], Any] | None = None,
+        collate_fn: CollateFn | Callable[[list[Any]], Any] | None = None,
         num_workers: int = 0,
         prefetch: int | None = None,
         timeout: float | None = None,
@@ -225,6 +226,12 @@ class DataLoader(LoaderBase):
         self._parked: Parked | None = None  # a run that went on into self._next's epoch
         self._sources: weakref.WeakSet[EpochSource] = weakref.WeakSet()
         self._initialized = True
+
+    def __iter__(self) -> Iterator[Batch]:
+        return super().__iter__()
+
+    def __aiter__(self) -> AsyncIterator[Batch]:
+        return super().__aiter__()
 
     def __setattr__(self, name: str, value: Any) -> None:
         # The planner read these at construction; changing them later would be ignored.

@@ -18,9 +18,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import os
-from collections.abc import AsyncIterable, Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Sequence
 from multiprocessing.context import BaseContext
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Generic, Literal
 
 from . import _worker
 from ._collate import default_collate
@@ -32,12 +32,13 @@ from ._facade import LoaderBase
 from ._pool import WorkerPool
 from ._stats import Recorder
 from ._stream_worker import StreamContext
+from ._types import Batch, StreamSource
 from ._validate import check_bool, check_choice, check_int, check_seconds
 
 __all__ = ["END", "StreamLoader"]
 
 
-class StreamLoader(LoaderBase):
+class StreamLoader(LoaderBase, Generic[Batch]):
     """Batches from an (async) iterable or an ``asyncio.Queue``, built by a worker pool.
 
     ``async for batch in stream`` runs on the caller's event loop and never blocks it;
@@ -107,7 +108,7 @@ class StreamLoader(LoaderBase):
 
     def __init__(
         self,
-        source: Iterable[Any] | AsyncIterable[Any] | asyncio.Queue[Any],
+        source: StreamSource,
         fn: Callable[[Any], Any] | None = None,
         *,
         batch_size: int = 32,
@@ -225,7 +226,10 @@ class StreamLoader(LoaderBase):
             is_closed=self._shared.is_closed,
         )
 
-    def __iter__(self) -> Iterator[Any]:
+    def __aiter__(self) -> AsyncIterator[Batch]:
+        return super().__aiter__()
+
+    def __iter__(self) -> Iterator[Batch]:
         if isinstance(self.source, asyncio.Queue):
             raise TypeError(
                 "an asyncio.Queue source belongs to the event loop that feeds it: iterate "

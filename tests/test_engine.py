@@ -143,3 +143,29 @@ def test_lifecycle_states_are_named() -> None:
     assert loader._state.value == "closed"
     with pytest.raises(aioloader.LoaderClosedError, match="DataLoader is closed"):
         iter(loader)
+
+
+def test_loaders_are_generic_for_typed_code(tmp_path: Path) -> None:
+    """``DataLoader[T]`` annotates batches; an unannotated loader stays usable under
+    ``mypy --strict`` (the batch type defaults to Any)."""
+    from mypy import api
+
+    snippet = tmp_path / "typed.py"
+    snippet.write_text(
+        "import numpy as np\n"
+        "import numpy.typing as npt\n"
+        "import aioloader\n"
+        "class Squares:\n"
+        "    def __len__(self) -> int:\n"
+        "        return 4\n"
+        "    def __getitem__(self, i: int) -> int:\n"
+        "        return i * i\n"
+        "def total(loader: aioloader.DataLoader[npt.NDArray[np.int64]]) -> int:\n"
+        "    return sum(int(b.sum()) for b in loader)\n"
+        "plain = aioloader.DataLoader(Squares(), 2)\n"
+        "stream: aioloader.StreamLoader[list[int]] = aioloader.StreamLoader(range(3))\n"
+        "print(total(plain))\n"
+    )
+    out, err, code = api.run(["--strict", "--no-incremental", "--cache-dir", str(tmp_path / "cache"), str(snippet)])
+    assert code == 0, out + err
+    assert aioloader.DataLoader[int] is not None
