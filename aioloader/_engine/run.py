@@ -89,12 +89,14 @@ class RunConfig:
     decode: Callable[[Any], Any] | None
     recorder: Recorder
     is_closed: Callable[[], bool]
+    fail_fast: bool = True  # a unit's error ends the run (loaders); False: it is delivered (serving)
 
 
 class Delivery(NamedTuple):
     unit: Unit
-    data: Any  # None when every sample of the unit was skipped
+    data: Any  # None when every sample of the unit was skipped (or it failed)
     skipped: tuple[tuple[int, str], ...]
+    error: BaseException | None = None  # what the unit raised (only without fail_fast)
 
 
 class _Terminal:
@@ -130,6 +132,8 @@ class Run:
         self.dispatcher = Dispatcher(cfg.pool, cfg.recorder, cfg.timeout, cfg.max_retries, cfg.is_closed)
         self.closed = False
         self.ended = False  # the consumer saw the terminal entry
+        self._unqueued = 0  # unordered: submitted units not yet on the ready queue
+        self._terminal: _Terminal | None = None  # waiting for them
         self._producer: asyncio.Task[None] | None = None
         self._close_done: asyncio.Future[None] | None = None
 
@@ -156,11 +160,11 @@ class Run:
             raise
         except BaseException as exc:
             error = exc
-        if not self.cfg.ordered:  # the terminal entry comes after every unit
-            pending = [t for t in self.units if not t.done()]
-            if pending:
-                await asyncio.wait(pending)
-        self.ready.put_nowait(_Terminal(error))
+        terminal = _Terminal(error)
+        if self._unqueued:  # unordered: the terminal entry goes after the last unit
+            self._terminal = terminal
+        else:
+            self.ready.put_nowait(terminal)
 
     def _submit(self, unit: Unit) -> None:
         t = self.loop.create_task(self._execute(unit))
@@ -169,7 +173,15 @@ class Run:
         if self.cfg.ordered:
             self.ready.put_nowait(t)
         else:
-            t.add_done_callback(self.ready.put_nowait)
+            self._unqueued += 1
+            t.add_done_callback(self._queue_finished)
+
+    def _queue_finished(self, t: asyncio.Task[Any]) -> None:
+        self.ready.put_nowait(t)
+        self._unqueued -= 1
+        if not self._unqueued and self._terminal is not None:
+            self.ready.put_nowait(self._terminal)
+            self._terminal = None
 
     async def _execute(self, unit: Unit) -> Any:
         try:
@@ -183,37 +195,40 @@ class Run:
 
         Raises ``StopAsyncIteration`` at the end of the source (or when the run was
         closed under the consumer), :class:`~aioloader.LoaderClosedError` when the whole
-        loader was, and whatever the unit or the source raised (the run is then closed).
+        loader was, and what the source raised. What a unit raised is raised too (and
+        the run closed), unless the run was configured not to fail fast: then the error
+        comes back in :attr:`Delivery.error` and the run goes on.
         """
         while True:
             if self.closed:
                 raise self._end_error()
             t0 = time.monotonic_ns()
-            try:
-                entry = self._take_aside(group)
-                if entry is None:
+            entry = self._take_aside(group)
+            if entry is None:
+                try:
                     entry = await self.ready.get()
-                if entry is _WAKE:
-                    continue  # the loop head reports how the run ended
-                if isinstance(entry, _Terminal):
-                    self.ended = entry.error is None
-                    await self.aclose()
-                    if entry.error is not None:
-                        raise entry.error
-                    raise StopAsyncIteration
-                unit = self.units.get(entry)
-                if group is not None and unit is not None and unit.group != group:
-                    self.aside.append(entry)  # a later group's unit, finished early
-                    continue
+                except asyncio.CancelledError:
+                    raise await self._cancelled() from None
+            if entry is _WAKE:
+                continue  # the loop head reports how the run ended
+            if isinstance(entry, _Terminal):
+                self.ended = entry.error is None
+                await self.aclose()
+                if entry.error is not None:
+                    raise entry.error
+                raise StopAsyncIteration
+            unit = self.units[entry]
+            if group is not None and unit.group != group:
+                self.aside.append(entry)  # a later group's unit, finished early
+                continue
+            try:
                 res = await entry
             except asyncio.CancelledError:
-                await self.aclose()
-                if cancelling():
-                    raise
-                raise self._end_error() from None
-            except Exception:
-                if isinstance(entry, asyncio.Task):
-                    self._release(entry)
+                raise await self._cancelled() from None
+            except Exception as exc:
+                self._release(entry)
+                if not self.cfg.fail_fast:
+                    return Delivery(unit, None, (), exc)
                 await self.aclose()
                 raise
             if type(res) is _Raised:
@@ -221,7 +236,6 @@ class Run:
                 await self.aclose()
                 raise res.exc
             now = time.monotonic_ns()
-            assert unit is not None
             data = res.data
             if data is not None:
                 if self.cfg.decode is not None:
@@ -231,6 +245,14 @@ class Run:
                 self.cfg.recorder.delivered(rec, unit.size - len(res.skipped), now - t0, now)
             self._release(entry)
             return Delivery(unit, data, res.skipped)
+
+    async def _cancelled(self) -> BaseException:
+        """The consumer saw ``CancelledError``: its own cancellation (re-raised), or the
+        run closed under it (the end, or LoaderClosedError if the loader was closed)."""
+        await self.aclose()
+        if cancelling():
+            return asyncio.CancelledError()
+        return self._end_error()
 
     def _take_aside(self, group: int | None) -> asyncio.Task[Any] | None:
         for t in self.aside:
