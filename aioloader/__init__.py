@@ -14,9 +14,11 @@ from ._stats import LoaderStats as LoaderStats
 from .errors import AioLoaderError as AioLoaderError
 from .errors import CollateError as CollateError
 from .errors import DatasetPickleError as DatasetPickleError
+from .errors import DeadlineExceeded as DeadlineExceeded
 from .errors import ImageDecodeError as ImageDecodeError
 from .errors import LoaderClosedError as LoaderClosedError
 from .errors import LoaderTimeout as LoaderTimeout
+from .errors import Overloaded as Overloaded
 from .errors import PoolBrokenError as PoolBrokenError
 from .errors import RecordIOError as RecordIOError
 from .errors import RemoteError as RemoteError
@@ -26,21 +28,27 @@ from .errors import StateDictError as StateDictError
 from .errors import TooManySkippedError as TooManySkippedError
 from .errors import WorkerCrashedError as WorkerCrashedError
 from .loader import DataLoader as DataLoader
+from .serving import Batcher as Batcher
+from .serving import BatcherStats as BatcherStats
 from .stream import StreamLoader as StreamLoader
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AioLoaderError",
+    "Batcher",
+    "BatcherStats",
     "CollateError",
     "DataLoader",
     "DatasetPickleError",
+    "DeadlineExceeded",
     "DistributedSampler",
     "EpochStats",
     "ImageDecodeError",
     "LoaderClosedError",
     "LoaderStats",
     "LoaderTimeout",
+    "Overloaded",
     "PoolBrokenError",
     "RecordIOError",
     "RemoteError",

@@ -41,7 +41,7 @@ from ._transport import Transport, TransportKind, make_transport
 from ._validate import check_choice, check_int
 from .errors import DatasetPickleError, LoaderClosedError
 
-__all__ = ["LoaderBase", "Lifecycle", "Pass", "pickle_for_workers"]
+__all__ = ["IterableLoader", "Lifecycle", "LoaderBase", "Pass", "pickle_for_workers"]
 
 
 class Lifecycle(enum.Enum):
@@ -267,7 +267,44 @@ class LoaderBase:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    # -------------------------------------------------------------------- faces
+    def _portal(self) -> Portal:
+        with self._lock:
+            self._check_open()
+            portal = self._portal_box[0]
+            if portal is None:
+                portal = self._portal_box[0] = Portal(name=self._portal_name)
+            return portal
+
+    # --------------------------------------------------------------------- misc
+    @contextlib.contextmanager
+    def tracing(self, path: str | os.PathLike[str]) -> Iterator[Tracer]:
+        """Record a Chrome trace of what happens inside the ``with`` block; the file is
+        written when the block exits."""
+        tracer = Tracer(path)
+        previous = self._recorder.tracer
+        self._recorder.tracer = tracer
+        try:
+            yield tracer
+        finally:
+            self._recorder.tracer = previous
+            tracer.write()
+
+    @property
+    def pool(self) -> WorkerPool:
+        return self._pool
+
+    def worker_pids(self) -> list[int]:
+        """Pids of the worker processes of the pool's current incarnation."""
+        return self._pool.worker_pids()
+
+
+class IterableLoader(LoaderBase):
+    """A loader with the two faces, ``for`` and ``async for`` (see the module docstring)."""
+
+    def stats(self) -> LoaderStats:
+        """A frozen snapshot of the statistics (cheap; always on)."""
+        return self._recorder.snapshot(self._pool.restarts, self._pool.concurrency)
+
     async def _begin(self) -> Pass:
         raise NotImplementedError
 
@@ -308,40 +345,6 @@ class LoaderBase:
             if not portal.loop.is_closed():
                 with contextlib.suppress(RuntimeError, cf.TimeoutError, LoaderClosedError):
                     portal.call(p.finish(), timeout=30.0)
-
-    def _portal(self) -> Portal:
-        with self._lock:
-            self._check_open()
-            portal = self._portal_box[0]
-            if portal is None:
-                portal = self._portal_box[0] = Portal(name=self._portal_name)
-            return portal
-
-    # --------------------------------------------------------------------- misc
-    def stats(self) -> LoaderStats:
-        """A frozen snapshot of the statistics (cheap; always on)."""
-        return self._recorder.snapshot(self._pool.restarts, self._pool.concurrency)
-
-    @contextlib.contextmanager
-    def tracing(self, path: str | os.PathLike[str]) -> Iterator[Tracer]:
-        """Record a Chrome trace of what happens inside the ``with`` block; the file is
-        written when the block exits."""
-        tracer = Tracer(path)
-        previous = self._recorder.tracer
-        self._recorder.tracer = tracer
-        try:
-            yield tracer
-        finally:
-            self._recorder.tracer = previous
-            tracer.write()
-
-    @property
-    def pool(self) -> WorkerPool:
-        return self._pool
-
-    def worker_pids(self) -> list[int]:
-        """Pids of the worker processes of the pool's current incarnation."""
-        return self._pool.worker_pids()
 
 
 def _cleanup(

@@ -14,6 +14,8 @@ The tree::
     ├── WorkerCrashedError       (also RuntimeError)  a batch kept killing its worker
     ├── PoolBrokenError          (also RuntimeError)  an executor we may not rebuild broke
     ├── LoaderTimeout            (also TimeoutError)  a batch ran longer than ``timeout``
+    ├── DeadlineExceeded         (also TimeoutError)  a Batcher request's deadline passed before dispatch
+    ├── Overloaded               (also RuntimeError)  a Batcher's queue is full (``max_pending``)
     ├── TooManySkippedError      (also RuntimeError)  ``on_error="skip"`` passed ``max_skipped``
     ├── CollateError             (also ValueError)    samples that do not stack together
     ├── DatasetPickleError       (also TypeError)     the dataset (or collate_fn...) won't pickle
@@ -39,9 +41,11 @@ __all__ = [
     "AioLoaderError",
     "CollateError",
     "DatasetPickleError",
+    "DeadlineExceeded",
     "ImageDecodeError",
     "LoaderClosedError",
     "LoaderTimeout",
+    "Overloaded",
     "PoolBrokenError",
     "RecordIOError",
     "RemoteError",
@@ -110,6 +114,20 @@ class LoaderTimeout(AioLoaderError, TimeoutError):
 
     indices: list[int]
     timeout: float
+
+
+class DeadlineExceeded(AioLoaderError, TimeoutError):
+    """A :class:`~aioloader.Batcher` request's ``deadline`` passed before a worker took it;
+    no worker time was spent on it. Attribute ``deadline`` (seconds, as given)."""
+
+    deadline: float
+
+
+class Overloaded(AioLoaderError, RuntimeError):
+    """A :class:`~aioloader.Batcher` already holds ``max_pending`` waiting requests: answer
+    "busy" (HTTP 503) rather than queue without bound. Attribute ``max_pending``."""
+
+    max_pending: int
 
 
 class TooManySkippedError(AioLoaderError, RuntimeError):

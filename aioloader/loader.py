@@ -23,7 +23,7 @@ from ._collate import default_collate
 from ._engine.epochs import Cursor, EpochPass, EpochSource, Parked, WorkerSide
 from ._engine.resume import cursor_from_state, state_from_cursor
 from ._engine.run import Run, RunConfig
-from ._facade import Lifecycle, LoaderBase
+from ._facade import IterableLoader, Lifecycle
 from ._pool import WorkerPool
 from ._sampler import BatchPlanner, LastBatch, ShardPolicy
 from ._transport import TransportKind
@@ -35,7 +35,7 @@ __all__ = ["DataLoader"]
 _FROZEN = frozenset({"dataset", "batch_size", "sampler", "batch_sampler", "drop_last", "last_batch", "shuffle"})
 
 
-class DataLoader(LoaderBase, Generic[Batch]):
+class DataLoader(IterableLoader, Generic[Batch]):
     """Batches from a map-style dataset, built by a persistent pool of workers.
 
     Iterate with ``for batch in loader`` or ``async for batch in loader``: both run the

@@ -28,7 +28,7 @@ from ._engine.batcher import Batcher
 from ._engine.epochs import WorkerSide
 from ._engine.feeds import END, _EndOfStream, make_feed
 from ._engine.run import Run, RunConfig
-from ._facade import LoaderBase
+from ._facade import IterableLoader
 from ._pool import WorkerPool
 from ._stats import Recorder
 from ._stream_worker import StreamContext
@@ -38,7 +38,7 @@ from ._validate import check_bool, check_choice, check_int, check_seconds
 __all__ = ["END", "StreamLoader"]
 
 
-class StreamLoader(LoaderBase, Generic[Batch]):
+class StreamLoader(IterableLoader, Generic[Batch]):
     """Batches from an (async) iterable or an ``asyncio.Queue``, built by a worker pool.
 
     ``async for batch in stream`` runs on the caller's event loop and never blocks it;

@@ -233,6 +233,8 @@ class Run:
                 raise
             if type(res) is _Raised:
                 self._release(entry)
+                if not self.cfg.fail_fast:
+                    return Delivery(unit, None, (), res.exc)
                 await self.aclose()
                 raise res.exc
             now = time.monotonic_ns()

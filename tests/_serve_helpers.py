@@ -1,0 +1,61 @@
+"""Functions for the Batcher tests (module level: workers import them)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+# Thread mode (num_workers=0) runs fn in this process: tests steer it with these.
+hold = threading.Event()  # set by the test: lets a call of held() return
+entered = threading.Event()  # set by held() when it starts
+calls: list[Any] = []  # every item fn saw, in call order
+
+
+def reset() -> None:
+    hold.clear()
+    entered.clear()
+    calls.clear()
+
+
+def held(item: Any) -> Any:
+    """Records the item; the item ``"hold"`` blocks until the test sets ``hold``."""
+    calls.append(item)
+    if item == "hold":
+        entered.set()
+        if not hold.wait(30):
+            raise AssertionError("the test never released the held call")
+    return item
+
+
+def square(x: int) -> int:
+    if x < 0:
+        raise ValueError(f"negative input {x}")
+    return x * x
+
+
+def squares(xs: list[int]) -> list[int]:
+    if any(x < 0 for x in xs):
+        raise ValueError("a negative input in the micro-batch")
+    return [x * x for x in xs]
+
+
+def too_few(xs: list[int]) -> list[int]:
+    return xs[:-1]
+
+
+class DieOnce:
+    """Kills its own worker the first time it sees ``victim`` (a marker file records it)."""
+
+    def __init__(self, folder: str, victim: int) -> None:
+        self.folder = folder
+        self.victim = victim
+
+    def __call__(self, x: int) -> tuple[int, int]:
+        marker = Path(self.folder, "died")
+        if x == self.victim and not marker.exists():
+            marker.touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return x, os.getpid()

@@ -1,0 +1,191 @@
+"""Batcher: one awaitable result per request, micro-batched on the loaders' engine."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import pickle
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import aioloader
+from aioloader import Batcher, DeadlineExceeded, LoaderClosedError, Overloaded
+
+from . import _serve_helpers as H
+
+
+@pytest.fixture(autouse=True)
+def _reset() -> Iterator[None]:
+    H.reset()
+    yield
+    H.hold.set()  # never leave a worker thread blocked
+
+
+async def _wait_entered() -> None:
+    await asyncio.get_running_loop().run_in_executor(None, H.entered.wait, 20)
+    assert H.entered.is_set()
+
+
+@pytest.mark.parametrize("workers", [0, 2], ids=["thread", "processes"])
+@pytest.mark.asyncio
+async def test_each_request_gets_its_own_result_or_error(workers: int) -> None:
+    async with Batcher(H.square, batch_size=4, max_latency=0.05, num_workers=workers) as b:
+        out = await b.submit_many([1, 2, -3, 4, 5], return_exceptions=True)
+        assert out[:2] == [1, 4] and out[3:] == [16, 25]
+        err = out[2]
+        assert isinstance(err, ValueError) and "negative input -3" in str(err)
+        assert any("request 2" in n for n in err.__notes__)
+        st = b.stats()
+    assert (st.submitted, st.completed, st.failed) == (5, 4, 1)
+    assert sum(k * v for k, v in st.batch_sizes.items()) == 5
+    assert st.queue_wait_s[0] is not None and st.service_s[2] is not None
+    assert "5 submitted" in str(st)
+
+
+@pytest.mark.asyncio
+async def test_batched_fn_results_and_whole_batch_errors() -> None:
+    async with Batcher(H.squares, batched_fn=True, batch_size=8, max_latency=0.05) as b:
+        assert await b.submit_many([1, 2, 3]) == [1, 4, 9]
+        out = await b.submit_many([5, -1], return_exceptions=True)
+    assert all(isinstance(e, ValueError) for e in out)
+    async with Batcher(H.too_few, batched_fn=True, batch_size=8, max_latency=0.05) as b:
+        with pytest.raises(ValueError, match="returned 1 results for 2 items"):
+            await b.submit_many([1, 2])
+
+
+@pytest.mark.asyncio
+async def test_cancelled_before_dispatch_never_reaches_a_worker() -> None:
+    async with Batcher(H.held, batch_size=1, max_latency=0, prefetch=1) as b:
+        first = asyncio.ensure_future(b.submit("hold"))
+        await _wait_entered()  # the only slot is busy: the next item waits in the queue
+        doomed = asyncio.ensure_future(b.submit("doomed"))
+        await asyncio.sleep(0)  # let it enter the queue (no timing: one loop turn)
+        doomed.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await doomed
+        H.hold.set()
+        assert await first == "hold"
+        assert await b.submit("after") == "after"
+        st = b.stats()
+    assert H.calls == ["hold", "after"]
+    assert st.cancelled_before_dispatch == 1
+
+
+@pytest.mark.asyncio
+async def test_cancelled_after_dispatch_drops_the_result() -> None:
+    async with Batcher(H.held, batch_size=1, max_latency=0) as b:
+        running = asyncio.ensure_future(b.submit("hold"))
+        await _wait_entered()
+        running.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await running
+        H.hold.set()
+        assert await b.submit("next") == "next"  # the dropped result was delivered first
+        st = b.stats()
+    assert st.cancelled_after_dispatch == 1 and st.completed == 1
+
+
+@pytest.mark.asyncio
+async def test_deadline_passes_before_dispatch_without_a_worker() -> None:
+    async with Batcher(H.held, batch_size=1, max_latency=0, prefetch=1) as b:
+        first = asyncio.ensure_future(b.submit("hold"))
+        await _wait_entered()
+        with pytest.raises(DeadlineExceeded, match="deadline of 0.01"):
+            await b.submit("late", deadline=0.01)
+        H.hold.set()
+        await first
+        st = b.stats()
+    assert "late" not in H.calls and st.expired == 1
+
+
+@pytest.mark.asyncio
+async def test_higher_priority_is_dispatched_first_fifo_within() -> None:
+    async with Batcher(H.held, batch_size=1, max_latency=0, prefetch=1) as b:
+        first = asyncio.ensure_future(b.submit("hold"))
+        await _wait_entered()
+        order = [("low-1", 0), ("high-1", 5), ("low-2", 0), ("high-2", 5), ("mid", 1)]
+        tasks = [asyncio.ensure_future(b.submit(name, priority=p)) for name, p in order]
+        await asyncio.sleep(0)  # all of them are queued behind the held call
+        H.hold.set()
+        await asyncio.gather(first, *tasks)
+    assert H.calls == ["hold", "high-1", "high-2", "mid", "low-1", "low-2"]
+
+
+@pytest.mark.asyncio
+async def test_admission_control_rejects_at_once_or_waits_with_block() -> None:
+    async with Batcher(H.held, batch_size=1, max_latency=0, prefetch=1, max_pending=2) as b:
+        first = asyncio.ensure_future(b.submit("hold"))
+        await _wait_entered()
+        queued = [asyncio.ensure_future(b.submit(i)) for i in (1, 2)]
+        await asyncio.sleep(0)
+        with pytest.raises(Overloaded, match="max_pending=2"):
+            await b.submit(3)
+        waiter = asyncio.ensure_future(b.submit(4, block=True))
+        await asyncio.sleep(0)
+        assert not waiter.done()
+        H.hold.set()
+        assert await asyncio.gather(first, *queued, waiter) == ["hold", 1, 2, 4]
+        assert b.stats().rejected == 1
+
+
+@pytest.mark.asyncio
+async def test_a_killed_worker_costs_no_request(tmp_path: Path) -> None:
+    async with Batcher(H.DieOnce(str(tmp_path), victim=3), batch_size=2, max_latency=0.01, num_workers=1) as b:
+        out = await b.submit_many(range(6))
+        st = b.stats()
+    assert [x for x, _ in out] == list(range(6))
+    assert (tmp_path / "died").exists() and st.restarts >= 1 and st.failed == 0
+
+
+def test_submit_sync_from_many_threads() -> None:
+    with Batcher(H.square, batch_size=8, max_latency=0.01) as b, cf.ThreadPoolExecutor(4) as ex:
+        assert list(ex.map(b.submit_sync, range(40))) == [i * i for i in range(40)]
+        with pytest.raises(ValueError, match="negative"):
+            b.submit_sync(-1)
+    assert b.closed
+
+
+@pytest.mark.asyncio
+async def test_submit_from_another_loop_hops_to_the_batchers_loop() -> None:
+    async with Batcher(H.square, batch_size=4, max_latency=0.01) as b:
+        result: list[int] = []
+        t = threading.Thread(target=lambda: result.append(asyncio.run(b.submit(7))))
+        t.start()
+        await asyncio.get_running_loop().run_in_executor(None, t.join, 20)
+        assert result == [49]
+
+
+@pytest.mark.asyncio
+async def test_close_fails_waiting_requests_and_refuses_new_ones() -> None:
+    b = Batcher(H.held, batch_size=1, max_latency=0, prefetch=1)
+    first = asyncio.ensure_future(b.submit("hold"))
+    await _wait_entered()
+    waiting = asyncio.ensure_future(b.submit("never"))
+    await asyncio.sleep(0)
+    H.hold.set()
+    await b.aclose()
+    for t in (first, waiting):
+        with pytest.raises(LoaderClosedError):
+            await t
+    with pytest.raises(LoaderClosedError):
+        await b.submit(1)
+
+
+def test_bad_arguments_name_the_parameter() -> None:
+    with pytest.raises(TypeError, match="fn"):
+        Batcher(42)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_pending"):
+        Batcher(H.square, max_pending=0)
+    with pytest.raises(ValueError, match="max_latency"):
+        Batcher(H.square, max_latency=-1)
+    with pytest.raises(aioloader.DatasetPickleError, match="fn"):
+        Batcher(lambda x: x, num_workers=1)
+
+
+def test_new_errors_pickle_whole() -> None:
+    for exc in (Overloaded("full", max_pending=3), DeadlineExceeded("late", deadline=0.5)):
+        back = pickle.loads(pickle.dumps(exc))
+        assert type(back) is type(exc) and str(back) == str(exc) and back.__dict__ == exc.__dict__
