@@ -1,13 +1,14 @@
-"""Load generator for ``examples/serve.py``: N image uploads over loopback, C at a time.
+"""Load generator for ``examples/serve.py`` (an aiohttp client): image uploads over
+loopback, either closed-loop (``--concurrency`` requests outstanding) or open-loop
+(``--rate`` arrivals per second, whatever the answers do).
 
     python examples/serve_load.py --port 8080 --requests 2000 --concurrency 32
+    python examples/serve_load.py --port 8080 --requests 2000 --rate 400
 
-Opens ``--concurrency`` keep-alive connections and sends ``--requests`` uploads in
-total (random-noise JPEGs, plus solid-colour PNGs whose answer is known exactly and
-checked, plus ``--invalid`` bodies that are not images and must get 400). Prints the
-latency percentiles and throughput, and a final JSON line; exits 1 if any answer was
-wrong. Bounded by construction: it stops after ``--requests`` answers, and every read
-has a timeout.
+Sends random-noise JPEGs, solid-colour PNGs whose answer is known exactly and checked,
+and ``--invalid`` bodies that are not images and must get 400. A 503 (the service's
+admission control) is counted, not wrong. Prints the latency percentiles and throughput
+and a final JSON line; exits 1 if any answer was wrong. Every request has a timeout.
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ import json
 import random
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 import numpy as np
 from PIL import Image
 
@@ -37,7 +40,7 @@ class Upload:
 class Results:
     latencies: list[float] = field(default_factory=list)
     wrong: list[str] = field(default_factory=list)
-    batch_sizes: list[int] = field(default_factory=list)
+    statuses: Counter[int] = field(default_factory=Counter)
 
 
 def make_uploads(n_distinct: int, size: int, invalid: int, seed: int = 0) -> list[Upload]:
@@ -57,46 +60,19 @@ def make_uploads(n_distinct: int, size: int, invalid: int, seed: int = 0) -> lis
     return out
 
 
-async def request(
-    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host: str, body: bytes, timeout: float
-) -> tuple[int, dict[str, Any]]:
-    writer.write(
-        f"POST /predict HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/octet-stream\r\n"
-        f"Content-Length: {len(body)}\r\n\r\n".encode("latin-1")
-        + body
-    )
-    await writer.drain()
-    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout)
-    lines = head.decode("latin-1").split("\r\n")
-    status = int(lines[0].split(" ", 2)[1])
-    headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:] if ln)}
-    payload = await asyncio.wait_for(reader.readexactly(int(headers["content-length"])), timeout)
-    return status, json.loads(payload)
-
-
-async def connection(
-    host: str, port: int, jobs: asyncio.Queue[Upload], results: Results, timeout: float
-) -> None:
-    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
-    try:
-        while True:
-            try:
-                upload = jobs.get_nowait()
-            except asyncio.QueueEmpty:
-                return
-            t0 = time.perf_counter()
-            status, payload = await request(reader, writer, host, upload.body, timeout)
-            results.latencies.append(time.perf_counter() - t0)
-            check(upload, status, payload, results)
-    finally:
-        writer.close()
-        try:
-            await writer.wait_closed()
-        except ConnectionError:
-            pass
+async def send(session: aiohttp.ClientSession, url: str, upload: Upload, results: Results) -> None:
+    t0 = time.perf_counter()
+    async with session.post(url, data=upload.body) as resp:
+        payload = await resp.json()
+        status = resp.status
+    results.latencies.append(time.perf_counter() - t0)
+    results.statuses[status] += 1
+    check(upload, status, payload, results)
 
 
 def check(upload: Upload, status: int, payload: dict[str, Any], results: Results) -> None:
+    if status == 503:
+        return  # admission control said "busy": an answer, not a wrong one
     if not upload.valid:
         if status != 400 or "error" not in payload:
             results.wrong.append(f"invalid body answered {status} {payload}")
@@ -104,36 +80,55 @@ def check(upload: Upload, status: int, payload: dict[str, Any], results: Results
     if status != 200:
         results.wrong.append(f"answered {status} {payload}")
         return
-    results.batch_sizes.append(int(payload["batch"]))
     if upload.expect_mean is not None and not np.allclose(payload["mean_rgb"], upload.expect_mean, atol=1e-3):
         results.wrong.append(f"mean {payload['mean_rgb']} != {upload.expect_mean}")
 
 
-async def run(args: argparse.Namespace) -> dict[str, Any]:
+def plan_uploads(args: argparse.Namespace) -> list[Upload]:
     uploads = make_uploads(args.distinct, args.size, args.invalid)
     valid = [u for u in uploads if u.valid]
     rng = random.Random(0)
     plan = [u for u in uploads if not u.valid]
     plan += [rng.choice(valid) for _ in range(args.requests - len(plan))]
     rng.shuffle(plan)
-    jobs: asyncio.Queue[Upload] = asyncio.Queue()
-    for u in plan:
-        jobs.put_nowait(u)
+    return plan
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    plan = plan_uploads(args)
+    url = f"http://{args.host}:{args.port}/predict"
     results = Results()
-    t0 = time.perf_counter()
-    await asyncio.gather(
-        *(connection(args.host, args.port, jobs, results, args.timeout) for _ in range(args.concurrency))
-    )
-    elapsed = time.perf_counter() - t0
+    timeout = aiohttp.ClientTimeout(total=args.timeout)
+    connector = aiohttp.TCPConnector(limit=0 if args.rate else args.concurrency)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        t0 = time.perf_counter()
+        if args.rate:  # open loop: arrivals on a fixed schedule, answers or not
+            tasks = []
+            for k, upload in enumerate(plan):
+                delay = t0 + k / args.rate - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)  # pacing the arrivals, not synchronisation
+                tasks.append(asyncio.ensure_future(send(session, url, upload, results)))
+            await asyncio.gather(*tasks)
+        else:
+            jobs = iter(plan)
+
+            async def worker() -> None:
+                for upload in jobs:
+                    await send(session, url, upload, results)
+
+            await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+        elapsed = time.perf_counter() - t0
     lat = np.array(results.latencies) * 1e3
     return {
         "requests": len(results.latencies),
-        "concurrency": args.concurrency,
+        "concurrency": None if args.rate else args.concurrency,
+        "rate": args.rate or None,
         "seconds": round(elapsed, 3),
         "requests_per_s": round(len(lat) / elapsed, 1) if elapsed > 0 else None,
         "p50_ms": round(float(np.percentile(lat, 50)), 2) if len(lat) else None,
         "p99_ms": round(float(np.percentile(lat, 99)), 2) if len(lat) else None,
-        "mean_batch": round(float(np.mean(results.batch_sizes)), 2) if results.batch_sizes else None,
+        "statuses": {str(k): v for k, v in sorted(results.statuses.items())},
         "wrong": results.wrong[:10],
     }
 
@@ -143,19 +138,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--requests", type=int, default=1000)
-    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--concurrency", type=int, default=16, help="closed loop: requests outstanding")
+    ap.add_argument("--rate", type=float, default=0.0, help="open loop: arrivals per second (overrides concurrency)")
     ap.add_argument("--size", type=int, default=256, help="side of the generated images, pixels")
     ap.add_argument("--distinct", type=int, default=16, help="distinct images to cycle through")
     ap.add_argument("--invalid", type=int, default=0, help="how many uploads are not images (expect 400)")
     ap.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for any one answer")
     args = ap.parse_args(argv)
-    if args.requests < args.invalid or args.concurrency < 1:
-        ap.error("need --requests >= --invalid and --concurrency >= 1")
+    if args.requests < args.invalid or args.concurrency < 1 or args.rate < 0:
+        ap.error("need --requests >= --invalid, --concurrency >= 1 and --rate >= 0")
     summary = asyncio.run(run(args))
     print(
-        f"{summary['requests']} requests, {summary['concurrency']} connections: "
-        f"p50 {summary['p50_ms']} ms, p99 {summary['p99_ms']} ms, {summary['requests_per_s']} requests/s, "
-        f"mean batch {summary['mean_batch']}"
+        f"{summary['requests']} requests: p50 {summary['p50_ms']} ms, p99 {summary['p99_ms']} ms, "
+        f"{summary['requests_per_s']} requests/s, statuses {summary['statuses']}"
     )
     if summary["wrong"]:
         print("WRONG ANSWERS:", *summary["wrong"], sep="\n  ")

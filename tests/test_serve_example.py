@@ -96,5 +96,44 @@ def test_serve_and_load_over_loopback() -> None:
     assert server.returncode == 0, err
     stats = _last_json(out, "server")
     assert stats["answered"] == requests and stats["failed"] == invalid
-    assert stats["restarts"] == 0
+    assert stats["restarts"] == 0 and stats["overloaded"] == 0
+    assert stats["completed"] == requests - invalid + 2  # the two warm-up images
+    assert sum(int(k) * v for k, v in stats["batch_sizes"].items()) == requests + 2  # type: ignore[attr-defined]
     assert "Traceback" not in err, err
+
+
+def test_overload_answers_503_at_once_and_nothing_wrong() -> None:
+    """Open-loop arrivals far above what one worker decodes: admitted uploads are
+    answered correctly, the rest get 503 (counted the same on both sides)."""
+    requests = 200
+    server = subprocess.Popen(
+        [sys.executable, str(EXAMPLES / "serve.py"), "--port", "0", "--workers", "1", "--batch-size", "1",
+         "--max-pending", "2", "--max-requests", "1000000", "--duration", "60"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT,
+    )  # fmt: skip
+    try:
+        assert server.stdout is not None
+        first = server.stdout.readline()
+        assert first.startswith("listening on http://127.0.0.1:"), first
+        port = first.strip().rsplit(":", 1)[1]
+        load = subprocess.run(
+            [sys.executable, str(EXAMPLES / "serve_load.py"), "--port", port, "--requests", str(requests),
+             "--rate", "2000", "--size", "512", "--timeout", "30"],
+            capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=90,
+        )  # fmt: skip
+        assert load.returncode == 0, load.stdout + load.stderr
+        summary = _last_json(load.stdout, "load")
+        statuses = summary["statuses"]
+        assert isinstance(statuses, dict)
+        assert statuses.get("503", 0) > 0 and statuses.get("200", 0) > 0
+        assert sum(statuses.values()) == requests
+        server.send_signal(2)  # SIGINT: the server stops cleanly and reports
+        out, err = server.communicate(timeout=60)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.communicate()
+    assert server.returncode == 0, err
+    stats = _last_json(out, "server")
+    assert stats["overloaded"] == statuses["503"] == stats["rejected"]
+    assert stats["answered"] == statuses["200"]

@@ -93,7 +93,7 @@ async def test_deadline_passes_before_dispatch_without_a_worker() -> None:
     async with Batcher(H.held, batch_size=1, max_latency=0, prefetch=1) as b:
         first = asyncio.ensure_future(b.submit("hold"))
         await _wait_entered()
-        with pytest.raises(DeadlineExceeded, match="deadline of 0.01"):
+        with pytest.raises(DeadlineExceeded, match=r"deadline of 0\.01"):
             await b.submit("late", deadline=0.01)
         H.hold.set()
         await first
