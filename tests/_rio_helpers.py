@@ -1,4 +1,5 @@
-"""Helpers for the RecordIO tests that child processes must be able to import.
+"""Helpers for the RecordIO, dataset and command-line tests that child processes must be
+able to import (record payloads, readers run in children, small image trees).
 
 Kept in a module of their own (not in a test file) so that forkserver and spawn children
 unpickle them without importing pytest test modules.
@@ -11,6 +12,8 @@ import os
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
+
+from PIL import Image
 
 from aioloader.recordio import IndexedRecordReader, IndexedRecordWriter
 
@@ -62,3 +65,30 @@ def child_reads_inherited(reader: IndexedRecordReader, conn: Connection) -> None
         result["error"] = repr(err)
     conn.send(result)
     conn.close()
+
+
+def solid(path: Path, size: tuple[int, int], color: tuple[int, int, int], mode: str = "RGB") -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    img = Image.new("RGB", size, color)
+    if mode != "RGB":
+        img = img.convert(mode)
+    img.save(path)
+
+
+def make_tree(root: Path) -> dict[str, list[str]]:
+    """Three classes, nested folders, a grayscale PNG and files that must be skipped."""
+    layout = {
+        "cat": ["a.png", "b.jpg", "sub/c.png"],
+        "dog": ["x.PNG", "y.png"],
+        "ant": ["only.png"],
+    }
+    for i, (cls, files) in enumerate(sorted(layout.items())):
+        for j, name in enumerate(files):
+            solid(root / cls / name, (10 + j, 8 + i), (40 * i, 20 * j, 200))
+    solid(root / "dog" / "gray.png", (6, 5), (90, 90, 90), mode="L")
+    layout["dog"].insert(0, "gray.png")
+    (root / "cat" / "README.txt").write_text("not an image")
+    (root / "cat" / ".hidden.png").write_bytes(b"")
+    (root / ".cache").mkdir()
+    (root / "loose.png").write_bytes(b"")  # files directly in root are not a class
+    return layout
