@@ -72,13 +72,25 @@ class Portal:
     def submit(self, coro: Coroutine[Any, Any, T]) -> cf.Future[T]:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
+    @staticmethod
+    async def _guard(coro: Coroutine[Any, Any, T], fatal: list[BaseException]) -> T | None:
+        # SystemExit or KeyboardInterrupt raised inside a task would stop the portal's
+        # loop (asyncio lets them through run_forever) and every later call would fail
+        # with "Event loop is closed": hand them to the caller's thread instead.
+        try:
+            return await coro
+        except (SystemExit, KeyboardInterrupt) as exc:
+            fatal.append(exc)
+            return None
+
     def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run ``coro`` on the portal's loop and wait for its result.
 
         If the wait is interrupted (Ctrl-C), the coroutine is cancelled before the
         exception propagates.
         """
-        fut = self.submit(coro)
+        fatal: list[BaseException] = []
+        fut = self.submit(self._guard(coro, fatal))
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             # Wait in slices: a portal closed under us must not leave us waiting on a
@@ -93,7 +105,10 @@ class Portal:
                         raise cf.TimeoutError(f"no result within {timeout} s")
             if fut.cancelled() and self._closed:
                 raise LoaderClosedError("the loader was closed while it was being iterated")
-            return fut.result()
+            result = fut.result()
+            if fatal:
+                raise fatal[0]
+            return result  # type: ignore[return-value]
         except BaseException:
             fut.cancel()
             raise

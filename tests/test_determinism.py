@@ -324,8 +324,10 @@ def test_set_epoch_to_the_next_epoch_keeps_the_speculative_start() -> None:
         for epoch in range(3):
             loader.set_epoch(epoch)  # the torch idiom, once per epoch
             if epoch:
-                assert loader._spec is not None and loader._spec[0].epoch == epoch
+                # the previous epoch's run went on into this one and is kept for it
+                assert loader._parked is not None and loader._parked.successor.epoch == epoch
+                assert epoch in loader._parked.source.plans
             list(loader)
-        loader.set_epoch(7)  # a jump: the speculative epoch 3 is dropped
-        assert loader._spec is None
+        loader.set_epoch(7)  # a jump: the run that went on into epoch 3 is dropped
+        assert loader._parked is None
         assert [e.epoch for e in loader.stats().epochs] == [0, 1, 2]

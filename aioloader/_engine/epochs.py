@@ -1,0 +1,244 @@
+"""The DataLoader's unit source: the batches of an epoch plan, then, as a policy, the
+next epoch's first batches while the consumer finishes this one; and the consumer's
+side of it, one :class:`EpochPass` per epoch iterated.
+
+Where a loader stands is one frozen :class:`Cursor`: an epoch, the samples rolled over
+into it, and the batch positions already delivered (a prefix, plus the few delivered out
+of order). ``state_dict()`` is the cursor written out; resuming is a cursor read back.
+Nothing here is O(epoch length) beyond what the plan itself costs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .. import _worker
+from .._sampler import EpochPlan
+from .._stats import Recorder
+from ..errors import TooManySkippedError
+from .run import Run, add_context
+
+__all__ = ["Cursor", "EpochPass", "EpochSource", "EpochUnit", "Parked", "WorkerSide"]
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class Cursor:
+    """The next batch to deliver: the first position of ``plan(epoch, carry)`` that is
+    neither below ``prefix`` nor in ``after``."""
+
+    epoch: int
+    carry: np.ndarray = field(default_factory=lambda: _EMPTY)
+    prefix: int = 0
+    after: frozenset[int] = frozenset()
+    sampler_state: Any = None
+
+    @property
+    def fresh(self) -> bool:
+        """At the start of its epoch, with nothing to restore."""
+        return self.prefix == 0 and not self.after and self.sampler_state is None
+
+    @property
+    def delivered(self) -> int:
+        return self.prefix + len(self.after)
+
+    def positions(self, n: int) -> Iterator[int]:
+        """The positions of an ``n``-batch plan still to deliver, in plan order (lazily)."""
+        after = self.after
+        for p in range(self.prefix, n):
+            if p not in after:
+                yield p
+
+    def remaining(self, n: int) -> int:
+        return max(0, n - self.prefix) - sum(1 for p in self.after if self.prefix <= p < n)
+
+    def deliver(self, pos: int) -> Cursor:
+        """This cursor once batch ``pos`` was delivered."""
+        if pos == self.prefix:
+            prefix, after = pos + 1, self.after
+            while prefix in after:
+                after = after - {prefix}
+                prefix += 1
+            return Cursor(self.epoch, self.carry, prefix, after, self.sampler_state)
+        return Cursor(self.epoch, self.carry, self.prefix, self.after | {pos}, self.sampler_state)
+
+
+@dataclass
+class WorkerSide:
+    """What a unit needs to build its pool task (shared by every unit of a loader)."""
+
+    token: str
+    seed: int
+    payload: Callable[[], bytes | None]  # the pickled worker context, for workers that lack it
+    inline: Any = None  # thread mode: a context object that rides along with every task
+
+
+class EpochUnit:
+    """Batch ``key`` of epoch ``group``."""
+
+    __slots__ = ("_packed", "_side", "group", "indices", "key", "size")
+
+    fn = staticmethod(_worker.run_batch)
+
+    def __init__(self, side: WorkerSide, epoch: int, pos: int, indices: Any) -> None:
+        self._side = side
+        self.group = epoch
+        self.key = pos
+        self.indices = indices
+        self.size = len(indices)
+        # Raw int64 bytes pickle ~5x faster than a numpy array (this runs for every batch).
+        self._packed = np.asarray(indices, dtype=np.int64).tobytes()
+
+    @property
+    def label(self) -> str:
+        return f"batch {self.key} of epoch {self.group}"
+
+    def make_task(self, task_id: int, with_payload: bool) -> _worker.BatchTask:
+        side = self._side
+        payload = side.payload() if with_payload else None
+        return _worker.BatchTask(side.token, task_id, self.group, self.key, self._packed, side.seed, payload)
+
+
+class EpochSource:
+    """Units of ``plan`` from ``cursor`` on; then, while ``follow`` allows it, of the
+    following epochs, at most one epoch ahead of the newest one a consumer has begun."""
+
+    def __init__(
+        self,
+        side: WorkerSide,
+        plan: EpochPlan,
+        cursor: Cursor,
+        follow: Callable[[int, np.ndarray], EpochPlan] | None,
+    ) -> None:
+        self.side = side
+        self.plans: dict[int, EpochPlan] = {plan.epoch: plan}
+        self.follow = follow
+        self.consumed_epoch = plan.epoch  # the newest epoch a consumer has begun
+        self._plan = plan
+        self._positions = cursor.positions(len(plan))
+        self._advanced = asyncio.Event()
+
+    def stop_following(self) -> None:
+        """Produce no epoch beyond the ones already started."""
+        self.follow = None
+        self._advanced.set()
+
+    def begin(self, epoch: int) -> EpochPlan:
+        """A consumer begins ``epoch``, which this source has already started."""
+        self.consumed_epoch = epoch
+        for e in [e for e in self.plans if e < epoch]:
+            del self.plans[e]
+        self._advanced.set()
+        return self.plans[epoch]
+
+    def continues_into(self, epoch: int) -> bool:
+        return epoch in self.plans or (self.follow is not None and self._plan.epoch + 1 == epoch)
+
+    async def next_unit(self) -> EpochUnit | None:
+        while True:
+            pos = next(self._positions, None)
+            if pos is not None:
+                plan = self._plan
+                return EpochUnit(self.side, plan.epoch, pos, plan.batches[pos])
+            while self.follow is not None and self._plan.epoch > self.consumed_epoch:
+                self._advanced.clear()  # one epoch ahead at most: wait for a consumer
+                await self._advanced.wait()
+            follow = self.follow
+            if follow is None:
+                return None
+            plan = follow(self._plan.epoch + 1, self._plan.carry_out)
+            self.plans[plan.epoch] = self._plan = plan
+            self._positions = iter(range(len(plan)))
+
+    async def aclose(self) -> None:
+        self.follow = None
+        self._advanced.set()
+
+
+class Parked:
+    """A run whose epoch ended while its source went on into the next one."""
+
+    def __init__(self, run: Run, source: EpochSource, successor: Cursor) -> None:
+        self.run = run
+        self.source = source
+        self.successor = successor
+
+
+class EpochPass:
+    """One consumer's pass over one epoch, from ``cursor`` (``await next()`` a batch,
+    ``await finish()`` at the end). ``on_end(pass)`` tells the loader it ended and
+    returns whether the loader keeps the run (it went on into the next epoch);
+    otherwise the pass closes it."""
+
+    def __init__(
+        self,
+        run: Run,
+        source: EpochSource,
+        plan: EpochPlan,
+        cursor: Cursor,
+        successor: Cursor,
+        *,
+        lock: threading.RLock,
+        recorder: Recorder,
+        max_skipped: int | None,
+        on_end: Callable[[EpochPass], bool],
+    ) -> None:
+        self.run = run
+        self.source = source
+        self.epoch = plan.epoch
+        self.n = len(plan)
+        self.cursor = cursor
+        self.successor = successor
+        self.left = cursor.remaining(self.n)
+        self.skipped: list[tuple[int, str]] = []
+        self.lock = lock
+        self.recorder = recorder
+        self.max_skipped = max_skipped
+        self.on_end = on_end
+        self.rec = recorder.epoch_started(plan.epoch)
+        self.finished = False
+
+    async def next(self) -> Any:
+        while True:
+            if self.left <= 0:
+                raise StopAsyncIteration
+            try:
+                d = await self.run.next(self.rec, self.epoch)
+            except Exception as exc:
+                if not isinstance(exc, StopAsyncIteration):
+                    add_context(exc, f"aioloader: raised while loading epoch {self.epoch}")
+                raise
+            self.left -= 1
+            with self.lock:
+                self.cursor = self.cursor.deliver(d.unit.key)  # type: ignore[attr-defined]
+            if d.skipped:
+                self._count_skipped(d.skipped)
+            if d.data is not None:
+                return d.data
+
+    def _count_skipped(self, skipped: tuple[tuple[int, str], ...]) -> None:
+        self.skipped.extend(skipped)
+        self.recorder.skipped += len(skipped)
+        limit = self.max_skipped
+        if limit is not None and len(self.skipped) > limit:
+            self.run.close_threadsafe()
+            raise TooManySkippedError(
+                f"on_error='skip' dropped {len(self.skipped)} samples in epoch {self.epoch}, "
+                f"more than max_skipped={limit}; first: index "
+                f"{self.skipped[0][0]} ({self.skipped[0][1]})",
+                skipped=list(self.skipped),
+            )
+
+    async def finish(self) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        if not self.on_end(self):
+            await self.run.aclose()

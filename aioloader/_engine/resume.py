@@ -1,0 +1,77 @@
+"""``state_dict()`` and ``load_state_dict()``: a :class:`~.epochs.Cursor` written out as a
+small JSON-serialisable dict, and read back with every field checked.
+
+A state dict names where the loader stands (epoch, delivered positions, rolled-over
+samples, the user sampler's own state) and what it must agree on with the loader it is
+loaded into (its *identity*: length, batch size, last-batch policy, shuffle, shard).
+Both directions cost O(delivered out of order), never O(epoch length).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ..errors import StateDictError
+from .epochs import Cursor
+
+__all__ = ["STATE_VERSION", "cursor_from_state", "state_from_cursor"]
+
+STATE_VERSION = 1
+
+
+def state_from_cursor(cur: Cursor, seed: int, identity: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "version": STATE_VERSION,
+        "seed": seed,
+        "epoch": int(cur.epoch),
+        "batches_delivered": cur.delivered,
+        "next_position": cur.prefix,
+        "delivered_after": sorted(cur.after),
+        "rollover": [int(i) for i in cur.carry],
+        **identity,
+        "sampler": cur.sampler_state,
+    }
+
+
+def cursor_from_state(
+    state: Any,
+    identity: dict[str, Any],
+    *,
+    sampler: Any,
+    num_batches: Callable[[int], int],
+) -> tuple[int, Cursor]:
+    """``(seed, cursor)`` from ``state``; :class:`~aioloader.StateDictError` naming the
+    first field that is missing, malformed, out of range or disagrees with ``identity``."""
+    if not isinstance(state, dict):
+        raise StateDictError(f"state must be a dict from DataLoader.state_dict(), got {type(state).__name__}")
+    if state.get("version") != STATE_VERSION:
+        raise StateDictError(f"state version {state.get('version')!r} is not supported (expected {STATE_VERSION})")
+    for key, value in identity.items():
+        if state.get(key) != value:
+            raise StateDictError(
+                f"state dict does not match this loader: {key} is {state.get(key)!r} in the state "
+                f"but {value!r} here"
+            )
+    sampler_state = state.get("sampler")
+    if sampler_state is not None and not callable(getattr(sampler, "load_state_dict", None)):
+        raise StateDictError("state dict holds a sampler state but this loader's sampler has no load_state_dict")
+    try:
+        seed, epoch = int(state["seed"]), int(state["epoch"])
+        prefix = int(state["next_position"])
+        after = [int(p) for p in state.get("delivered_after", [])]
+        rollover = [int(i) for i in state.get("rollover", [])]
+    except KeyError as exc:
+        raise StateDictError(f"state dict lacks the key {exc.args[0]!r}") from None
+    except (TypeError, ValueError) as exc:
+        raise StateDictError(f"state dict holds a malformed value: {exc}") from None
+    n_batches = num_batches(len(rollover))
+    if seed < 0 or epoch < 0 or not 0 <= prefix <= n_batches or any(not prefix < p < n_batches for p in after):
+        raise StateDictError(
+            f"state dict positions are out of range: seed={seed}, epoch={epoch}, "
+            f"next_position={prefix}, delivered_after={after} for {n_batches} batches"
+        )
+    carry = np.asarray(rollover, dtype=np.int64)
+    return seed, Cursor(epoch, carry, prefix, frozenset(after), sampler_state)

@@ -1,0 +1,340 @@
+"""The engine: one bounded window of work, fed by a unit source, on one event loop.
+
+::
+
+    unit source ──(one window slot per unit)──▶ dispatcher ──▶ pool
+    consumer ◀──(ready queue: in order, or as completed)──◀──────┘
+
+A *unit* is one pool task's worth of work: a batch position of an epoch, or a
+micro-batch of a stream. The producer acquires a slot of the window, asks the source for
+the next unit, and starts a task that runs the unit on the pool through the dispatcher.
+The consumer frees the slot when it *takes* the unit, so units submitted, running, or
+finished but not yet taken never exceed the window (``prefetch``).
+
+The source alone decides what comes next and when: an epoch plan (continuing, as a
+policy, into the next epoch while the consumer finishes this one), or a stream's batcher,
+which assembles items under a deadline while it holds its slot. When the source ends or
+raises, the run queues a terminal entry after the last unit, so the consumer gets every
+unit taken before a source error, then the error.
+
+Units carry a *group* (the epoch, or the stream's iteration). A consumer asks for the
+next unit of its group; in unordered mode a finished unit of a later group is kept aside
+(still holding its slot) until a consumer of that group asks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures as cf
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol
+
+from .._dispatch import Dispatcher, cancelling
+from .._pool import WorkerPool
+from .._stats import Recorder, _Epoch
+from .._worker import _add_note as add_note
+from ..errors import LoaderClosedError
+
+__all__ = ["Delivery", "Run", "RunConfig", "Unit", "UnitSource", "closed_while_iterating"]
+
+
+def closed_while_iterating(kind: str) -> LoaderClosedError:
+    """The one error for "the loader was closed under a consumer"."""
+    return LoaderClosedError(f"the {kind} was closed while it was being iterated")
+
+
+class Unit(Protocol):
+    """One pool task's worth of work, as a unit source describes it."""
+
+    group: int  # the epoch (DataLoader) or iteration (StreamLoader) it belongs to
+    size: int  # samples or items in it
+
+    @property
+    def fn(self) -> Callable[[Any], Any]: ...
+
+    @property
+    def label(self) -> str: ...  # names the unit in errors: "batch 3 of epoch 0"
+
+    @property
+    def indices(self) -> Sequence[int]: ...  # sample indices / source positions, for errors
+
+    def make_task(self, task_id: int, with_payload: bool) -> Any: ...
+
+
+class UnitSource(Protocol):
+    async def next_unit(self) -> Unit | None:
+        """The next unit (called while holding a window slot), or ``None`` at the end.
+        An exception ends the run after the units returned before it."""
+        ...
+
+    async def aclose(self) -> None:
+        """Stop producing and release what the source holds. Idempotent."""
+        ...
+
+
+@dataclass
+class RunConfig:
+    """What a run needs from its facade (never the facade itself: a loader dropped
+    while work is pending must be collectable at once)."""
+
+    kind: str  # "DataLoader" or "StreamLoader", for messages
+    pool: WorkerPool
+    prefetch: int
+    ordered: bool
+    timeout: float | None
+    max_retries: int
+    decode: Callable[[Any], Any] | None
+    recorder: Recorder
+    is_closed: Callable[[], bool]
+
+
+class Delivery(NamedTuple):
+    unit: Unit
+    data: Any  # None when every sample of the unit was skipped
+    skipped: tuple[tuple[int, str], ...]
+
+
+class _Terminal:
+    """The last entry of the ready queue: the source ended, or raised ``error``."""
+
+    def __init__(self, error: BaseException | None) -> None:
+        self.error = error
+
+
+class _Raised:
+    """``SystemExit``/``KeyboardInterrupt`` from user code run on this loop's thread
+    (a thread pool): carried to the consumer as a value, because raised inside a task
+    it would stop the event loop itself."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+_WAKE: Any = object()  # put on the ready queue by aclose(): wakes a waiting consumer
+
+
+class Run:
+    """One window of work on the running event loop (see the module docstring)."""
+
+    def __init__(self, cfg: RunConfig, source: UnitSource) -> None:
+        self.cfg = cfg
+        self.source = source
+        self.loop = asyncio.get_running_loop()
+        self.sem = asyncio.Semaphore(cfg.prefetch)
+        self.ready: asyncio.Queue[Any] = asyncio.Queue()
+        self.units: dict[asyncio.Task[Any], Unit] = {}  # submitted and not yet taken
+        self.aside: collections.deque[asyncio.Task[Any]] = collections.deque()
+        self.dispatcher = Dispatcher(cfg.pool, cfg.recorder, cfg.timeout, cfg.max_retries, cfg.is_closed)
+        self.closed = False
+        self.ended = False  # the consumer saw the terminal entry
+        self._producer: asyncio.Task[None] | None = None
+        self._close_done: asyncio.Future[None] | None = None
+
+    def start(self) -> None:
+        if self._producer is None:
+            self._producer = self.loop.create_task(self._produce(), name=f"aioloader-{self.cfg.kind}-producer")
+
+    # ------------------------------------------------------------------ producer
+    async def _produce(self) -> None:
+        error: BaseException | None = None
+        try:
+            while True:
+                await self.sem.acquire()
+                try:
+                    unit = None if self.closed else await self.source.next_unit()
+                except BaseException:
+                    self.sem.release()
+                    raise
+                if unit is None:
+                    self.sem.release()
+                    break
+                self._submit(unit)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            error = exc
+        if not self.cfg.ordered:  # the terminal entry comes after every unit
+            pending = [t for t in self.units if not t.done()]
+            if pending:
+                await asyncio.wait(pending)
+        self.ready.put_nowait(_Terminal(error))
+
+    def _submit(self, unit: Unit) -> None:
+        t = self.loop.create_task(self._execute(unit))
+        self.units[t] = unit
+        self.cfg.recorder.submitted(time.monotonic_ns())
+        if self.cfg.ordered:
+            self.ready.put_nowait(t)
+        else:
+            t.add_done_callback(self.ready.put_nowait)
+
+    async def _execute(self, unit: Unit) -> Any:
+        try:
+            return await self.dispatcher.run(unit.fn, unit.make_task, unit.indices, unit.label)
+        except (SystemExit, KeyboardInterrupt) as exc:
+            return _Raised(exc)
+
+    # ------------------------------------------------------------------ consumer
+    async def next(self, rec: _Epoch, group: int | None = None) -> Delivery:
+        """The next finished unit (of ``group``, when given), decoded; counted in ``rec``.
+
+        Raises ``StopAsyncIteration`` at the end of the source (or when the run was
+        closed under the consumer), :class:`~aioloader.LoaderClosedError` when the whole
+        loader was, and whatever the unit or the source raised (the run is then closed).
+        """
+        while True:
+            if self.closed:
+                raise self._end_error()
+            t0 = time.monotonic_ns()
+            try:
+                entry = self._take_aside(group)
+                if entry is None:
+                    entry = await self.ready.get()
+                if entry is _WAKE:
+                    continue  # the loop head reports how the run ended
+                if isinstance(entry, _Terminal):
+                    self.ended = entry.error is None
+                    await self.aclose()
+                    if entry.error is not None:
+                        raise entry.error
+                    raise StopAsyncIteration
+                unit = self.units.get(entry)
+                if group is not None and unit is not None and unit.group != group:
+                    self.aside.append(entry)  # a later group's unit, finished early
+                    continue
+                res = await entry
+            except asyncio.CancelledError:
+                await self.aclose()
+                if cancelling():
+                    raise
+                raise self._end_error() from None
+            except Exception:
+                if isinstance(entry, asyncio.Task):
+                    self._release(entry)
+                await self.aclose()
+                raise
+            if type(res) is _Raised:
+                self._release(entry)
+                await self.aclose()
+                raise res.exc
+            now = time.monotonic_ns()
+            assert unit is not None
+            data = res.data
+            if data is not None:
+                if self.cfg.decode is not None:
+                    data = self.cfg.decode(data)
+                # Counted before the slot frees: a pull that the freed slot allows is
+                # never seen before the delivery that allowed it.
+                self.cfg.recorder.delivered(rec, unit.size - len(res.skipped), now - t0, now)
+            self._release(entry)
+            return Delivery(unit, data, res.skipped)
+
+    def _take_aside(self, group: int | None) -> asyncio.Task[Any] | None:
+        for t in self.aside:
+            if group is None or self.units[t].group == group:
+                self.aside.remove(t)
+                return t
+        return None
+
+    def _end_error(self) -> BaseException:
+        if self.cfg.is_closed():
+            return closed_while_iterating(self.cfg.kind)
+        return StopAsyncIteration()
+
+    def _release(self, t: asyncio.Task[Any]) -> None:
+        # The slot frees when the consumer takes the unit, not when the worker ends it;
+        # once per unit, whichever path takes it.
+        if self.units.pop(t, None) is not None:
+            self.sem.release()
+            self.cfg.recorder.released()
+
+    # ------------------------------------------------------------------- closing
+    async def aclose(self) -> None:
+        """Cancel pending work, close the source, and wait until all of it stopped.
+        Runs on the run's loop; idempotent (a second caller waits for the first)."""
+        if self._close_done is not None:
+            await asyncio.shield(self._close_done)
+            return
+        self._close_done = self.loop.create_future()
+        try:
+            await self._shutdown()
+        finally:
+            self._close_done.set_result(None)
+
+    async def _shutdown(self) -> None:
+        self.closed = True
+        self.ready.put_nowait(_WAKE)
+        pending: list[asyncio.Task[Any]] = [t for t in self.units if not t.done()]
+        if self._producer is not None and not self._producer.done():
+            pending.append(self._producer)
+        pending.extend(self.dispatcher.stop())
+        for t in pending:
+            t.cancel()
+        try:
+            if pending:
+                await asyncio.gather(*pending, return_exceptions=True)
+        finally:
+            for t in self.units:  # results nobody will take: retrieve them quietly
+                if t.done() and not t.cancelled():
+                    t.exception()
+                self.cfg.recorder.released()
+            self.units.clear()
+            self.aside.clear()
+            await self.source.aclose()
+
+    def close_threadsafe(self) -> cf.Future[None] | None:
+        """Start :meth:`aclose` on the run's own loop from any thread or loop.
+
+        Returns a future to wait on, or ``None`` when there is nothing to wait for: on
+        the run's own loop (a task was started; a loop cannot wait for itself), or when
+        that loop no longer runs (its own shutdown cancels what is left).
+        """
+        loop = self.loop
+        if loop.is_closed():
+            return None
+        try:
+            running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            loop.create_task(self.aclose())
+            return None
+        if not loop.is_running():
+            return None
+        try:
+            return asyncio.run_coroutine_threadsafe(self.aclose(), loop)
+        except RuntimeError:  # the loop closed in between
+            return None
+
+    async def aclose_from_any_loop(self) -> None:
+        """:meth:`aclose` from a coroutine on whichever loop is running."""
+        if asyncio.get_running_loop() is self.loop:
+            await self.aclose()
+            return
+        fut = self.close_threadsafe()
+        if fut is not None:
+            try:
+                await asyncio.wrap_future(fut)
+            except Exception:  # the run's loop went away while closing it
+                pass
+
+    def close_and_wait(self, timeout: float = 10.0) -> None:
+        """:meth:`aclose` from plain code (any thread), waiting up to ``timeout``."""
+        fut = self.close_threadsafe()
+        if fut is not None:
+            try:
+                fut.result(timeout)
+            except (cf.TimeoutError, cf.CancelledError, RuntimeError):
+                pass
+
+
+def add_context(exc: BaseException, note: str) -> None:
+    """Add ``note`` unless aioloader already said where ``exc`` came from."""
+    if isinstance(exc, LoaderClosedError):
+        return
+    if any("aioloader:" in n for n in getattr(exc, "__notes__", ())):
+        return
+    add_note(exc, note)

@@ -1,0 +1,374 @@
+"""What both loader facades share: the lifecycle, the pool they own or borrow, the
+payload the workers need, one finalizer and one close path, and the two faces.
+
+Lifecycle (:class:`Lifecycle`)::
+
+    NEW ──(first iteration, or construction for a StreamLoader: payload sent)──▶ OPEN
+     └──────────────────────────(close / aclose / GC)────────────────────────────┴──▶ CLOSED
+
+Iterating or loading state into a CLOSED loader raises
+:class:`~aioloader.LoaderClosedError`; a consumer that is mid-iteration when the loader
+closes gets the same error from its next batch.
+
+The faces: a facade defines ``_begin()``, a coroutine returning a *pass* (one consumer's
+iteration: ``await p.next()`` gives a batch or raises ``StopAsyncIteration``;
+``await p.finish()`` ends it early or late). ``async for`` drives it on the caller's
+loop; ``for`` drives the same coroutines on the private portal loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import contextlib
+import enum
+import os
+import pickle
+import threading
+import uuid
+import weakref
+from collections.abc import AsyncIterator, Iterator, Sequence
+from multiprocessing.context import BaseContext
+from typing import Any, ClassVar, Protocol, TypeVar
+
+from . import _worker
+from ._engine.run import Run, closed_while_iterating
+from ._pool import WorkerPool
+from ._portal import Portal
+from ._stats import LoaderStats, Recorder
+from ._trace import Tracer
+from ._transport import Transport, TransportKind, make_transport
+from ._validate import check_choice, check_int
+from .errors import DatasetPickleError, LoaderClosedError
+
+__all__ = ["LoaderBase", "Lifecycle", "Pass", "pickle_for_workers"]
+
+
+class Lifecycle(enum.Enum):
+    NEW = "new"  # constructed: no worker has seen this loader yet
+    OPEN = "open"  # its worker context is with the pool
+    CLOSED = "closed"
+
+
+class Pass(Protocol):
+    """One consumer's iteration (an epoch, or one pass over a stream)."""
+
+    async def next(self) -> Any: ...
+
+    async def finish(self) -> None: ...
+
+
+class Shared:
+    """What runs and units share with their facade. They hold this, never the facade,
+    so a loader dropped while work is pending is collected at once (and its finalizer
+    shuts everything down)."""
+
+    def __init__(self) -> None:
+        self.closed = False
+        self.payload: bytes | None = None
+
+    def is_closed(self) -> bool:
+        return self.closed
+
+    def get_payload(self) -> bytes | None:
+        return self.payload
+
+
+def pickle_for_workers(whole: object, parts: Sequence[tuple[str, object]], owner: str) -> bytes:
+    """Pickle ``whole`` once for the workers; if that fails, find the culprit among
+    ``parts`` and raise :class:`DatasetPickleError` naming it and the fix."""
+    try:
+        return pickle.dumps(whole, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:
+        for name, obj in parts:
+            try:
+                pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception as inner:
+                raise DatasetPickleError(
+                    f"the {owner}'s {name} ({type(obj).__name__}: {obj!r:.80}) cannot be pickled, so it "
+                    f"cannot reach the worker processes: {type(inner).__name__}: {inner}. Define it at "
+                    "module level (not a lambda, local function or class defined inside a function), "
+                    "drop unpicklable members (open files, locks, sockets) or reopen them lazily, or "
+                    "use num_workers=0."
+                ) from inner
+        raise DatasetPickleError(f"the {owner}'s worker context cannot be pickled: {exc}") from exc
+
+
+class _End:
+    def __repr__(self) -> str:
+        return "<end of iteration>"
+
+
+_END: Any = _End()
+
+
+async def _next_or_end(p: Pass) -> Any:
+    # The sync face must not receive StopAsyncIteration through the portal's future: its
+    # traceback would keep this iteration's frames (and the loader) alive after the epoch.
+    try:
+        return await p.next()
+    except StopAsyncIteration:
+        return _END
+
+
+L = TypeVar("L", bound="LoaderBase")
+
+
+class LoaderBase:
+    """The shared half of :class:`~aioloader.DataLoader` and :class:`~aioloader.StreamLoader`."""
+
+    _kind: ClassVar[str] = "loader"
+    _portal_name: ClassVar[str] = "aioloader-portal"
+
+    def _setup(
+        self,
+        *,
+        num_workers: Any,
+        mp_context: str | BaseContext | None,
+        pool: WorkerPool | None,
+        executor: cf.Executor | None,
+        prefetch: Any,
+        transport: TransportKind,
+        trace: str | os.PathLike[str] | None,
+    ) -> None:
+        """Validate the pool arguments and set up everything the lifecycle needs."""
+        num_workers = check_int("num_workers", num_workers, 0)
+        if prefetch is not None:
+            prefetch = check_int("prefetch", prefetch, 1)
+        check_choice("transport", transport, ("auto", "shm", "pickle"))
+        if pool is not None and not isinstance(pool, WorkerPool):
+            raise TypeError(f"pool must be an aioloader.WorkerPool, got {pool!r}")
+        if pool is not None and executor is not None:
+            raise ValueError("pass at most one of pool= and executor=")
+        if (pool is not None or executor is not None) and (num_workers or mp_context is not None):
+            raise ValueError(
+                f"num_workers and mp_context configure the {self._kind}'s own pool; "
+                "they conflict with pool= or executor="
+            )
+        if pool is not None:
+            self._pool, owns_pool = pool, False
+        elif executor is not None:
+            self._pool, owns_pool = WorkerPool(executor=executor), False
+        else:
+            self._pool, owns_pool = WorkerPool(num_workers, mp_context=mp_context), True
+        self.num_workers: int = num_workers
+        self.prefetch: int = prefetch if prefetch is not None else max(2, 2 * self._pool.concurrency)
+        self._transport: Transport = make_transport(transport, pool_kind=self._pool.kind, prefetch=self.prefetch)
+        self._token = uuid.uuid4().hex
+        self._state = Lifecycle.NEW
+        self._shared = Shared()
+        self._lock = threading.RLock()
+        self._runs: weakref.WeakSet[Run] = weakref.WeakSet()
+        self._recorder = Recorder()
+        if trace is not None:
+            self._recorder.tracer = Tracer(trace)
+        self._portal_box: list[Portal | None] = [None]
+        self._finalizer = weakref.finalize(
+            self,
+            _cleanup,
+            self._pool if owns_pool else None,
+            self._pool,
+            self._token,
+            self._portal_box,
+            self._transport,
+            self._recorder,
+            self._shared,
+            self._runs,
+        )
+
+    # ------------------------------------------------------------------ payload
+    def _worker_context(self) -> _worker.WorkerContext:
+        raise NotImplementedError
+
+    def _pickled_parts(self) -> Sequence[tuple[str, object]]:
+        raise NotImplementedError
+
+    def _prepare(self) -> None:
+        """NEW -> OPEN: hand the worker context to the pool (once; may be slow: the
+        dataset is pickled, so the async face calls this in a thread)."""
+        with self._lock:
+            self._check_open()
+            if self._state is Lifecycle.OPEN:
+                return
+            ctx = self._worker_context()
+            if self._pool.kind == "thread":
+                self._install_inline(ctx)
+            else:
+                self._shared.payload = pickle_for_workers(ctx, self._pickled_parts(), self._kind)
+                self._pool.register(self._token, self._shared.payload)
+            self._state = Lifecycle.OPEN
+
+    def _install_inline(self, ctx: _worker.WorkerContext) -> None:
+        _worker.install_context(self._token, ctx)
+
+    # ---------------------------------------------------------------- lifecycle
+    @property
+    def closed(self) -> bool:
+        return self._state is Lifecycle.CLOSED
+
+    def _check_open(self) -> None:
+        if self._state is Lifecycle.CLOSED:
+            raise LoaderClosedError(f"this {self._kind} is closed; create a new one to iterate again")
+
+    def _mark_closed(self) -> list[Run] | None:
+        """Flip to CLOSED (every run sees it at once); ``None`` if it already was."""
+        with self._lock:
+            if self._state is Lifecycle.CLOSED:
+                return None
+            self._state = Lifecycle.CLOSED
+            self._shared.closed = True
+            self._forget_runs()
+            return list(self._runs)
+
+    def _forget_runs(self) -> None:
+        """Drop references to runs the facade keeps for later (called under the lock)."""
+
+    def close(self) -> None:
+        """Stop all iteration, shut down the loader's own pool and threads. Idempotent.
+
+        An iterator still running in another thread or task ends with
+        :class:`~aioloader.LoaderClosedError`. A pool or executor passed in is left running.
+        """
+        runs = self._mark_closed()
+        if runs is None:
+            return
+        for run in runs:
+            run.close_and_wait()
+        self._finalizer()
+
+    async def aclose(self) -> None:
+        """Async twin of :meth:`close`: runs on this loop close here, the rest of the
+        teardown (other loops, the pool) runs off the event loop."""
+        loop = asyncio.get_running_loop()
+        runs = self._mark_closed()
+        if runs is None:
+            return
+        for run in runs:
+            if run.loop is loop:
+                await run.aclose()
+        others = [r for r in runs if r.loop is not loop]
+
+        def teardown() -> None:
+            for run in others:
+                run.close_and_wait()
+            self._finalizer()
+
+        await loop.run_in_executor(None, teardown)
+
+    def __enter__(self: L) -> L:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    async def __aenter__(self: L) -> L:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # -------------------------------------------------------------------- faces
+    async def _begin(self) -> Pass:
+        raise NotImplementedError
+
+    def __aiter__(self) -> AsyncIterator[Any]:
+        return self._aiterate()
+
+    async def _aiterate(self) -> AsyncIterator[Any]:
+        p = await self._begin()
+        try:
+            while True:
+                try:
+                    batch = await p.next()
+                except StopAsyncIteration:
+                    return
+                yield batch
+        finally:
+            await p.finish()
+
+    def __iter__(self) -> Iterator[Any]:
+        portal = self._portal()
+        if portal.in_portal():
+            raise RuntimeError(f"cannot iterate a {self._kind} synchronously from its own event-loop thread")
+        return self._iterate(portal)
+
+    def _iterate(self, portal: Portal) -> Iterator[Any]:
+        # A generator: the pass begins at the first next(), so an iterator created and
+        # dropped unused costs nothing.
+        p = portal.call(self._begin())
+        try:
+            while True:
+                if self._state is Lifecycle.CLOSED or portal.loop.is_closed():
+                    raise closed_while_iterating(self._kind)
+                batch = portal.call(_next_or_end(p))
+                if batch is _END:
+                    return
+                yield batch
+        finally:
+            if not portal.loop.is_closed():
+                with contextlib.suppress(RuntimeError, cf.TimeoutError, LoaderClosedError):
+                    portal.call(p.finish(), timeout=30.0)
+
+    def _portal(self) -> Portal:
+        with self._lock:
+            self._check_open()
+            portal = self._portal_box[0]
+            if portal is None:
+                portal = self._portal_box[0] = Portal(name=self._portal_name)
+            return portal
+
+    # --------------------------------------------------------------------- misc
+    def stats(self) -> LoaderStats:
+        """A frozen snapshot of the statistics (cheap; always on)."""
+        return self._recorder.snapshot(self._pool.restarts, self._pool.concurrency)
+
+    @contextlib.contextmanager
+    def tracing(self, path: str | os.PathLike[str]) -> Iterator[Tracer]:
+        """Record a Chrome trace of what happens inside the ``with`` block; the file is
+        written when the block exits."""
+        tracer = Tracer(path)
+        previous = self._recorder.tracer
+        self._recorder.tracer = tracer
+        try:
+            yield tracer
+        finally:
+            self._recorder.tracer = previous
+            tracer.write()
+
+    @property
+    def pool(self) -> WorkerPool:
+        return self._pool
+
+    def worker_pids(self) -> list[int]:
+        """Pids of the worker processes of the pool's current incarnation."""
+        return self._pool.worker_pids()
+
+
+def _cleanup(
+    owned_pool: WorkerPool | None,
+    pool: WorkerPool,
+    token: str,
+    portal_box: list[Portal | None],
+    transport: Transport,
+    recorder: Recorder,
+    shared: Shared,
+    runs: weakref.WeakSet[Run],
+) -> None:
+    # Reached from close() or, for a loader dropped without close(), from the GC or at
+    # interpreter exit: either way every run must learn that the loader is gone.
+    shared.closed = True
+    for run in list(runs):
+        run.close_threadsafe()
+    tracer = recorder.tracer
+    if tracer is not None:
+        recorder.tracer = None
+        tracer.write()
+    portal = portal_box[0]
+    portal_box[0] = None
+    if portal is not None:
+        portal.close()
+    if owned_pool is not None:
+        owned_pool.close()
+    else:
+        pool.unregister(token)
+    transport.close()
