@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import hashlib
 import os
+import struct
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 from PIL import Image
 
-from aioloader.recordio import IndexedRecordReader, IndexedRecordWriter
+from aioloader.recordio import MAGIC, IndexedRecordReader, IndexedRecordWriter
 
 MXNET_FIXTURES = Path(__file__).resolve().parent / "fixtures" / "mxnet"  # see fixtures/README.md
 
@@ -30,6 +31,16 @@ def payload_for(key: int) -> bytes:
     if key % 3 == 0:
         body = b"\x0a\x23\xd7\xce" + body[: 4 * (key % 5)] + b"\x0a\x23\xd7\xce" + body
     return body[: len(body) - key % 4]
+
+
+def write_raw(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path
+
+
+def part(cflag: int, data: bytes) -> bytes:
+    """One part as it lies on disk: header, data, zero padding to four bytes."""
+    return struct.pack("<II", MAGIC, cflag << 29 | len(data)) + data + b"\0" * (-len(data) % 4)
 
 
 def write_numbered(path: Path, n: int, first_key: int = 0) -> dict[int, bytes]:

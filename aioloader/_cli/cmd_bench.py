@@ -228,8 +228,9 @@ def _parser(cores: int) -> argparse.ArgumentParser:
 
 def _row(r: BenchResult) -> str:
     stall = "-" if r.stall_fraction is None else f"{r.stall_fraction:.0%}"
+    span = f"{min(r.rates):,.0f}-{max(r.rates):,.0f}"
     return (
-        f"{r.workers:>7} {r.prefetch:>8} {r.samples_per_s:>11,.0f} {min(r.rates):>9,.0f}-{max(r.rates):<9,.0f}"
+        f"{r.workers:>7} {r.prefetch:>8} {r.samples_per_s:>11,.0f} {span:>19}"
         f" {r.first_batch_ms:>8.0f} ms {stall:>6} {r.main_cpu_ms_per_batch:>11.2f} ms"
     )
 
