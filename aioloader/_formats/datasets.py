@@ -167,7 +167,7 @@ class ImageFolder:
         return _finish(img, self.transform), int(self._labels[_normalize_index(index, len(self))])
 
     def __repr__(self) -> str:
-        return f"ImageFolder({self.root!r}, classes={len(self.classes)}, samples={len(self)})"
+        return f"{type(self).__name__}({self.root!r}, classes={len(self.classes)}, samples={len(self)})"
 
 
 class _RecordDataset:
