@@ -1,4 +1,4 @@
-"""Map-style image datasets: a folder tree, and MXNet record files.
+"""Map-style image datasets: a folder tree, MXNet record files, and the demo's JPEGs.
 
 Every dataset here is cheap to send to worker processes: per-sample metadata lives in a
 few numpy arrays (not in Python lists of strings or tuples), and record readers pickle
@@ -8,21 +8,29 @@ Images are decoded with Pillow to RGB. Without a ``transform`` a sample's image 
 ``uint8`` array of shape ``(H, W, 3)``; with one, the transform receives the decoded
 ``PIL.Image.Image`` (RGB) and whatever it returns is the image. That is the calling
 convention of torchvision's transforms and of :mod:`aioloader.transforms`.
+
+:class:`SyntheticJpegDataset` is the data set of ``python -m aioloader demo``: synthetic
+JPEGs written once to a cache folder, a dataset factory ``bench`` can measure
+(``python -m aioloader bench aioloader.datasets:SyntheticJpegDataset``).
+
+The implementation lives in :mod:`aioloader._formats`; this module is its public face.
 """
 
 from __future__ import annotations
 
-import io
-import os
-from collections.abc import Callable, Iterable
-from typing import Any, TypeAlias
-
-import numpy as np
-import numpy.typing as npt
-from PIL import Image
-
-from .errors import ImageDecodeError, RecordIOError
-from .recordio import IndexedRecordReader, StrPath, unpack_header
+from ._formats import publish
+from ._formats.datasets import IMG_EXTENSIONS as IMG_EXTENSIONS
+from ._formats.datasets import ImageFolder as ImageFolder
+from ._formats.datasets import ImageRecordDataset as ImageRecordDataset
+from ._formats.datasets import Label as Label
+from ._formats.datasets import RecordFileDataset as RecordFileDataset
+from ._formats.datasets import Transform as Transform
+from ._formats.image_record import unpack_header as unpack_header
+from ._formats.rio_files import StrPath as StrPath
+from ._formats.rio_index import IndexedRecordReader as IndexedRecordReader
+from ._formats.synthetic import SyntheticJpegDataset as SyntheticJpegDataset
+from .errors import ImageDecodeError as ImageDecodeError
+from .errors import RecordIOError as RecordIOError
 
 __all__ = [
     "IMG_EXTENSIONS",
@@ -30,229 +38,7 @@ __all__ = [
     "ImageFolder",
     "ImageRecordDataset",
     "RecordFileDataset",
+    "SyntheticJpegDataset",
 ]
 
-IMG_EXTENSIONS: tuple[str, ...] = (
-    ".bmp",
-    ".gif",
-    ".jpeg",
-    ".jpg",
-    ".pgm",
-    ".png",
-    ".ppm",
-    ".tif",
-    ".tiff",
-    ".webp",
-)
-"""File extensions :class:`ImageFolder` picks up by default (compared case-insensitively)."""
-
-Transform: TypeAlias = Callable[[Image.Image], Any]
-Label: TypeAlias = "np.float32 | npt.NDArray[np.float32]"
-
-
-def _decode_rgb(source: str | bytes, *, path: str, key: int | None) -> Image.Image:
-    """Decode ``source`` (a file path or encoded bytes) to a loaded RGB Pillow image."""
-    try:
-        with Image.open(source if isinstance(source, str) else io.BytesIO(source)) as img:
-            return img.convert("RGB")  # convert() loads the pixels: errors surface here
-    except MemoryError:
-        raise
-    except Exception as err:
-        # Pillow reports bad data with many types (OSError, ValueError, SyntaxError,
-        # struct.error, DecompressionBombError...); one type with the location is more
-        # useful to a caller, and the original stays attached as the cause.
-        where = path if key is None else f"{path}, key {key}"
-        raise ImageDecodeError(
-            f"{where}: cannot decode image ({type(err).__name__}: {err})", path=path, key=key
-        ) from err
-
-
-def _finish(img: Image.Image, transform: Transform | None) -> Any:
-    if transform is None:
-        return np.array(img)  # a writable (H, W, 3) uint8 copy
-    return transform(img)
-
-
-def _normalize_index(index: int, n: int) -> int:
-    i = int(index)
-    if i < 0:
-        i += n
-    if not 0 <= i < n:
-        raise IndexError(f"index {index} out of range for a dataset of {n} samples")
-    return i
-
-
-class ImageFolder:
-    """Images in ``root/<class name>/**/<file>``, one class per sub-folder of ``root``.
-
-    Classes are the sub-folders' names in sorted order, numbered from 0; the files of a
-    class are found recursively (symbolic links followed) and sorted by path. Files and
-    folders whose names start with a dot are skipped, as are files whose extension is not
-    in ``extensions`` (pass ``None`` to take every file). A sample is ``(image, label)``
-    with ``label`` an ``int``; see the module docstring for ``transform``.
-
-    Raises :class:`FileNotFoundError` when ``root`` has no class folder, and (when a
-    sample is loaded) :class:`ImageDecodeError`, an :class:`OSError` naming the file, for
-    an unreadable or non-image file.
-    """
-
-    def __init__(
-        self,
-        root: StrPath,
-        transform: Transform | None = None,
-        *,
-        extensions: Iterable[str] | None = IMG_EXTENSIONS,
-    ) -> None:
-        self.root = os.fsdecode(os.fspath(root))
-        self.transform = transform
-        exts = None if extensions is None else tuple(e.lower() for e in extensions)
-        try:
-            entries = sorted(
-                e.name for e in os.scandir(self.root) if e.is_dir() and not e.name.startswith(".")
-            )
-        except FileNotFoundError:
-            raise FileNotFoundError(f"image folder root not found: {self.root}") from None
-        if not entries:
-            raise FileNotFoundError(f"no class folders (sub-directories) in {self.root}")
-        self.classes: list[str] = entries
-        self.class_to_idx: dict[str, int] = {name: i for i, name in enumerate(entries)}
-
-        # Relative paths are stored as one UTF-8 blob plus offsets: a million paths cost
-        # two arrays, not a million str objects to pickle for every worker.
-        blob = bytearray()
-        bounds = [0]
-        labels: list[int] = []
-        for label, name in enumerate(entries):
-            for rel in self._walk(name, exts):
-                blob += os.fsencode(rel)
-                bounds.append(len(blob))
-                labels.append(label)
-        self._blob = np.frombuffer(bytes(blob), dtype=np.uint8)
-        self._bounds = np.asarray(bounds, dtype=np.int64)
-        self._labels = np.asarray(labels, dtype=np.int64)
-        for a in (self._blob, self._bounds, self._labels):
-            a.setflags(write=False)
-
-    def _walk(self, class_name: str, exts: tuple[str, ...] | None) -> list[str]:
-        found: list[str] = []
-        top = os.path.join(self.root, class_name)
-        for dirpath, dirnames, filenames in os.walk(top, followlinks=True):
-            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-            for fname in sorted(filenames):
-                if fname.startswith("."):
-                    continue
-                if exts is not None and not fname.lower().endswith(exts):
-                    continue
-                found.append(os.path.relpath(os.path.join(dirpath, fname), self.root))
-        return found
-
-    @property
-    def labels(self) -> npt.NDArray[np.int64]:
-        """The class index of every sample (a read-only ``int64`` array)."""
-        return self._labels
-
-    def path(self, index: int) -> str:
-        """The file path of sample ``index`` (joined to :attr:`root`)."""
-        i = _normalize_index(index, len(self))
-        rel = self._blob[self._bounds[i] : self._bounds[i + 1]].tobytes()
-        return os.path.join(self.root, os.fsdecode(rel))
-
-    def open_image(self, index: int) -> Image.Image:
-        """Sample ``index``'s image, decoded to RGB, before any transform."""
-        path = self.path(index)
-        return _decode_rgb(path, path=path, key=None)
-
-    def __len__(self) -> int:
-        return len(self._labels)
-
-    def __getitem__(self, index: int) -> tuple[Any, int]:
-        img = self.open_image(index)
-        return _finish(img, self.transform), int(self._labels[_normalize_index(index, len(self))])
-
-    def __repr__(self) -> str:
-        return f"ImageFolder({self.root!r}, classes={len(self.classes)}, samples={len(self)})"
-
-
-class _RecordDataset:
-    """What both record datasets share: one indexed reader, used by position."""
-
-    def __init__(self, path: StrPath, idx_path: StrPath | None = None) -> None:
-        self.reader = IndexedRecordReader(path, idx_path)
-
-    @property
-    def keys(self) -> npt.NDArray[np.int64]:
-        """The record keys, in ``.idx`` order."""
-        return self.reader.keys
-
-    def __len__(self) -> int:
-        return len(self.reader)
-
-    def close(self) -> None:
-        """Close the underlying reader's descriptor in this process (copies keep theirs)."""
-        self.reader.close()
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.reader.path!r}, records={len(self)})"
-
-
-class RecordFileDataset(_RecordDataset):
-    """The raw payloads of an indexed record file, by position in its ``.idx``.
-
-    ``dataset[i]`` is the bytes of the record on line ``i`` of the ``.idx`` (negative
-    indices count from the end). ``idx_path`` defaults to the ``.rec`` path with its
-    extension replaced by ``.idx``. Errors are those of
-    :class:`~aioloader.recordio.IndexedRecordReader`.
-    """
-
-    def __getitem__(self, index: int) -> bytes:
-        return self.reader.read_position(index)
-
-
-class ImageRecordDataset(_RecordDataset):
-    """Image records (as written by ``im2rec`` or ``python -m aioloader pack``).
-
-    ``dataset[i]`` is ``(image, label)`` for the record on line ``i`` of the ``.idx``.
-    Labels follow MXNet: when the record header's ``flag`` is 0 the label is the header's
-    value as a ``numpy.float32``; when ``flag > 0`` it is a ``float32`` array of the
-    ``flag`` values stored after the header. Images are decoded to RGB (MXNet's own
-    helpers give BGR; reverse the last axis for that). See the module docstring for
-    ``transform``.
-
-    Raises :class:`~aioloader.errors.RecordIOError` for a malformed file or header and
-    :class:`ImageDecodeError` when the image bytes do not decode.
-    """
-
-    def __init__(
-        self,
-        path: StrPath,
-        transform: Transform | None = None,
-        *,
-        idx_path: StrPath | None = None,
-    ) -> None:
-        super().__init__(path, idx_path)
-        self.transform = transform
-
-    def header(self, index: int) -> tuple[int, Label, int, int]:
-        """``(flag, label, id, id2)`` of sample ``index``, without decoding the image."""
-        h, _ = self._split(index)
-        return h.flag, _label(h.flag, h.label), h.id, h.id2
-
-    def _split(self, index: int) -> tuple[Any, bytes]:
-        i = _normalize_index(index, len(self))
-        key = int(self.reader.keys[i])
-        record = self.reader.read_position(i)
-        return unpack_header(record, path=self.reader.path, key=key)
-
-    def __getitem__(self, index: int) -> tuple[Any, Label]:
-        i = _normalize_index(index, len(self))
-        head, encoded = self._split(i)
-        img = _decode_rgb(encoded, path=self.reader.path, key=int(self.reader.keys[i]))
-        return _finish(img, self.transform), _label(head.flag, head.label)
-
-
-def _label(flag: int, value: Any) -> Label:
-    if flag > 0:
-        if not isinstance(value, np.ndarray):  # pragma: no cover - unpack_header's contract
-            raise RecordIOError(f"image-record label with flag {flag} is not an array")
-        return value
-    return np.float32(value)
+publish(globals(), __all__)

@@ -1,4 +1,4 @@
-"""aioloader.datasets and the pack/inspect commands."""
+"""aioloader.datasets: ImageFolder, the record-file datasets and the synthetic demo set."""
 
 from __future__ import annotations
 
@@ -14,12 +14,14 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from aioloader._cli_pack import EncodeDataset, _find_loader, inspect_main, pack_main
+from aioloader import DataLoader
+from aioloader._formats.synthetic import JpegWriter, make_synthetic_jpegs
 from aioloader.datasets import (
     ImageDecodeError,
     ImageFolder,
     ImageRecordDataset,
     RecordFileDataset,
+    SyntheticJpegDataset,
 )
 from aioloader.errors import RecordIOError
 from aioloader.recordio import IndexedRecordReader, IndexedRecordWriter, IRHeader, pack_header
@@ -31,34 +33,8 @@ except ImportError:  # tests/ is not a package: pytest put it on sys.path
     import _rio_helpers as helpers  # type: ignore[no-redef]
 
 FIX = helpers.MXNET_FIXTURES
+make_tree = helpers.make_tree
 MANIFEST: dict[str, Any] = json.loads((FIX / "manifest.json").read_text())
-
-
-def solid(path: Path, size: tuple[int, int], color: tuple[int, int, int], mode: str = "RGB") -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    img = Image.new("RGB", size, color)
-    if mode != "RGB":
-        img = img.convert(mode)
-    img.save(path)
-
-
-def make_tree(root: Path) -> dict[str, list[str]]:
-    """Three classes, nested folders, a grayscale PNG and files that must be skipped."""
-    layout = {
-        "cat": ["a.png", "b.jpg", "sub/c.png"],
-        "dog": ["x.PNG", "y.png"],
-        "ant": ["only.png"],
-    }
-    for i, (cls, files) in enumerate(sorted(layout.items())):
-        for j, name in enumerate(files):
-            solid(root / cls / name, (10 + j, 8 + i), (40 * i, 20 * j, 200))
-    solid(root / "dog" / "gray.png", (6, 5), (90, 90, 90), mode="L")
-    layout["dog"].insert(0, "gray.png")
-    (root / "cat" / "README.txt").write_text("not an image")
-    (root / "cat" / ".hidden.png").write_bytes(b"")
-    (root / ".cache").mkdir()
-    (root / "loose.png").write_bytes(b"")  # files directly in root are not a class
-    return layout
 
 
 # --------------------------------------------------------------------------- ImageFolder
@@ -213,89 +189,56 @@ def test_image_record_dataset_bad_records(tmp_path: Path) -> None:
     ds.close()
 
 
-# --------------------------------------------------------------------------- pack / inspect
+# --------------------------------------------------------------------------- synthetic JPEGs
 
 
-def test_pack_in_process_then_read(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    # --workers 0 encodes in this process; the pool path is tested below when the
-    # DataLoader is importable.
-    make_tree(tmp_path / "imgs")
-    out = tmp_path / "out" / "set.rec"
-    out.parent.mkdir()
-    assert pack_main([str(tmp_path / "imgs"), str(out), "--workers", "0", "--resize", "12",
-                      "--quality", "90"]) == 0
-    assert sorted(p.name for p in out.parent.iterdir()) == ["set.idx", "set.rec"]
-    folder = ImageFolder(tmp_path / "imgs")
-    ds = ImageRecordDataset(out)
-    assert ds.keys.tolist() == list(range(len(folder)))
-    for i in range(len(ds)):
-        img, label = ds[i]
-        assert label == folder.labels[i] and isinstance(label, np.float32)
-        assert min(img.shape[:2]) == 12
-        assert ds.header(i)[2] == i
-    ds.close()
-    assert "packed 7 images in 3 classes" in capsys.readouterr().out
-
-    assert inspect_main([str(out), "--first", "2"]) == 0
-    text = capsys.readouterr().out
-    assert "records:  7" in text and "keys:     0 .. 6" in text
-    assert "labels:   7 scalar; counts {0: 1, 1: 3, 2: 3}" in text
-    assert "JPEG" in text and text.count("  key ") == 2
+def _tree_bytes(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*.jpg"))}
 
 
-def test_pack_reports_bad_image_and_leaves_nothing(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    make_tree(tmp_path / "imgs")
-    (tmp_path / "imgs" / "dog" / "zz.png").write_bytes(b"garbage")
-    out = tmp_path / "o"
-    out.mkdir()
-    assert pack_main([str(tmp_path / "imgs"), str(out / "x.rec"), "--workers", "0"]) == 1
-    assert "zz.png" in capsys.readouterr().err
-    assert list(out.iterdir()) == []
-    assert pack_main([str(tmp_path / "nowhere"), str(out / "x.rec"), "--workers", "0"]) == 1
-    with pytest.raises(SystemExit) as info:
-        pack_main([str(tmp_path / "imgs"), str(out / "x.rec"), "--quality", "0"])
-    assert info.value.code == 2
-
-
-def test_inspect_bad_and_raw_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert inspect_main([str(FIX / "raw.rec")]) == 0
-    assert "records:  10" in capsys.readouterr().out
-    bad = tmp_path / "bad.rec"
-    bad.write_bytes(b"\0" * 16)
-    assert inspect_main([str(bad)]) == 1
-    assert "magic" in capsys.readouterr().err
-
-
-def test_encode_dataset_pickles(tmp_path: Path) -> None:
-    make_tree(tmp_path)
-    ds = EncodeDataset(ImageFolder(tmp_path), resize=8, quality=80)
+def test_synthetic_dataset_writes_once_and_loads(tmp_path: Path) -> None:
+    ds = SyntheticJpegDataset(12, root=tmp_path / "set", classes=4, progress=False)
+    assert len(ds) == 12 and ds.classes == [f"class_{c:02d}" for c in range(4)]
+    assert ds.labels.tolist() == sorted(k % 4 for k in range(12))
+    img, label = ds[0]
+    assert img.shape == (224, 224, 3) and img.dtype == np.uint8 and label == 0
+    raw = SyntheticJpegDataset(12, root=tmp_path / "set", classes=4, transform=None, progress=False)
+    full, _ = raw[5]
+    assert 320 <= min(full.shape[:2]) and max(full.shape[:2]) <= 512
+    # the second construction reused the files: same bytes, same modification times
+    stamp = {p: p.stat().st_mtime_ns for p in (tmp_path / "set").rglob("*.jpg")}
+    SyntheticJpegDataset(12, root=tmp_path / "set", classes=4, progress=False)
+    assert {p: p.stat().st_mtime_ns for p in stamp} == stamp
     copy = pickle.loads(pickle.dumps(ds))
-    assert copy[3] == ds[3]
+    assert copy.path(7) == ds.path(7)
+    with pytest.raises(ValueError, match="classes"):
+        SyntheticJpegDataset(3, root=tmp_path / "x", classes=4)
+    with pytest.raises(ValueError, match="transform"):
+        SyntheticJpegDataset(8, root=tmp_path / "x", transform="eval")  # type: ignore[arg-type]
 
 
-def test_pack_on_the_pool_then_dataloader(tmp_path: Path) -> None:
-    loader_cls = _find_loader()
-    if loader_cls is None:
-        pytest.skip("aioloader.DataLoader is not importable yet")
-    make_tree(tmp_path / "imgs")
-    out = tmp_path / "pool.rec"
-    assert pack_main([str(tmp_path / "imgs"), str(out), "--workers", "2", "--batch-size", "3"]) == 0
-    ref = tmp_path / "ref.rec"
-    assert pack_main([str(tmp_path / "imgs"), str(ref), "--workers", "0"]) == 0
-    assert out.read_bytes() == ref.read_bytes()
-    assert (tmp_path / "pool.idx").read_bytes() == (tmp_path / "ref.idx").read_bytes()
+def test_synthetic_jpegs_do_not_depend_on_who_writes_them(tmp_path: Path) -> None:
+    make_synthetic_jpegs(tmp_path / "here", 10, 3, seed=7, progress=False)
 
-    ds = ImageRecordDataset(out, transform=Compose([CenterCrop(4), ToArray()]))
-    loader = loader_cls(ds, batch_size=3, num_workers=2, collate_fn=list)
-    try:
-        samples = [s for batch in loader for s in batch]
-    finally:
-        close = getattr(loader, "close", None)
-        if callable(close):
-            close()
-    assert [float(label) for _, label in samples] == ImageFolder(tmp_path / "imgs").labels.tolist()
-    for i, (img, _) in enumerate(samples):
-        np.testing.assert_array_equal(img, ds[i][0])
-    ds.close()
+    def on_two_workers(writer: JpegWriter) -> Any:
+        with DataLoader(writer, 3, num_workers=2, collate_fn=list) as loader:
+            yield from loader
+
+    make_synthetic_jpegs(tmp_path / "pool", 10, 3, seed=7, progress=False, run=on_two_workers)
+    here = _tree_bytes(tmp_path / "here")
+    assert len(here) == 10 and here == _tree_bytes(tmp_path / "pool")
+    # photo-like: noise keeps the files far from flat-colour sizes
+    assert min(len(b) for b in here.values()) > 20_000
+    assert not list((tmp_path / "pool").rglob(".*.tmp"))
+
+
+def test_synthetic_folder_rewritten_for_other_parameters(tmp_path: Path) -> None:
+    root = tmp_path / "set"
+    make_synthetic_jpegs(root, 12, 4, progress=False)
+    first = _tree_bytes(root)
+    make_synthetic_jpegs(root, 6, 2, progress=False)  # fewer images, fewer classes
+    folder = ImageFolder(root)
+    assert len(folder) == 6 and folder.classes == ["class_00", "class_01"]
+    (root / ".complete").write_text("12 4 0")  # the marker an older generator wrote
+    make_synthetic_jpegs(root, 12, 4, progress=False)
+    assert _tree_bytes(root) == first

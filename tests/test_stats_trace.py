@@ -1,4 +1,4 @@
-"""Statistics, Chrome traces and the bench command."""
+"""Statistics and Chrome traces (the bench command is tested in test_cli.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 import aioloader
-from aioloader._bench import BenchResult, bench_main, recommend
 
 from ._datasets import RangeDataset, SlowDataset
 
@@ -60,18 +59,3 @@ def test_stats_epoch_boundary_and_stall() -> None:
     assert st.stall_s == pytest.approx(sum(e.stall_s for e in st.epochs))
     assert 0 < st.worker_busy <= 1
     assert st.retries == st.restarts == st.skipped == 0
-
-
-def test_recommend_prefers_cheapest_within_tolerance() -> None:
-    def r(w: int, p: int, rate: float) -> BenchResult:
-        return BenchResult(w, p, rate, 0.0, 0.0, 0.0)
-
-    results = [r(1, 2, 500), r(2, 4, 980), r(4, 8, 1000), r(2, 8, 990)]
-    assert recommend(results) == results[1]
-
-
-def test_bench_command_prints_table_and_recommendation(capsys: pytest.CaptureFixture[str]) -> None:
-    assert bench_main(["tests._datasets:small_bench_dataset", "--workers", "0,1", "--batch-size", "8", "--epochs", "2"]) == 0
-    out = capsys.readouterr().out
-    assert "samples/s" in out and "recommended: num_workers=" in out
-    assert len([line for line in out.splitlines() if line.strip().startswith(("0 ", "1 "))]) == 2

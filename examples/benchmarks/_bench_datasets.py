@@ -49,7 +49,7 @@ class Head:
 
 def jpeg_dataset(root: str, limit: int | None = None) -> Any:
     """The demo's workload: decode a JPEG, random-resized-crop to 224, random flip."""
-    from aioloader._demo import train_transform
+    from aioloader._formats.synthetic import train_transform
     from aioloader.datasets import ImageFolder
 
     ds = ImageFolder(root, transform=train_transform())

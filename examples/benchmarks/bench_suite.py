@@ -563,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
         return child_main(json.loads(args.child))
 
     ensure_torch()
-    from aioloader._demo import default_cache, make_synthetic_jpegs
+    from aioloader._formats.synthetic import default_cache, make_synthetic_jpegs
 
     reps = args.reps or (2 if args.quick else 3)
     jpeg_epochs = args.epochs or (3 if args.quick else 5)
