@@ -196,6 +196,8 @@ class Batcher(LoaderBase, Generic[Batch]):
             side = WorkerSide(self._token, 0, self._shared.get_payload, self._inline_ctx)
             queue = RequestQueue(side, self.batch_size, self.max_latency, self.max_pending, self._counters)
             run = Run(self._run_config(), queue)
+            concurrency = self._pool.concurrency
+            queue.idle = lambda: len(run.units) < concurrency
             self._runs.add(run)
             run.start()
             self._deliverer = loop.create_task(_deliver(run, queue, self._recorder), name="aioloader-batcher")

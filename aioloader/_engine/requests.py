@@ -19,6 +19,7 @@ import functools
 import heapq
 import itertools
 from collections import Counter, deque
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -106,6 +107,7 @@ class RequestQueue:
         self._seq = itertools.count()
         self._arrival: asyncio.Future[None] | None = None
         self._room: deque[asyncio.Future[None]] = deque()  # blocked submitters, first come first served
+        self.idle: Callable[[], bool] = lambda: False  # is a worker free? (set by the Batcher)
 
     # ------------------------------------------------------------------ intake
     async def put(self, item: Any, priority: int, deadline: float | None, block: bool) -> asyncio.Future[Any]:
@@ -199,7 +201,9 @@ class RequestQueue:
             if req is not None:
                 batch.append(req)
                 continue
-            if self.closed or loop.time() >= until:
+            # Waiting to fill only pays while every worker is busy: with one idle, the
+            # requests at hand go now (low load adds no batching delay).
+            if self.closed or self.idle() or loop.time() >= until:
                 break
             self._arrival = loop.create_future()
             handle = loop.call_at(until, self._wake)
@@ -224,6 +228,7 @@ class RequestQueue:
     def resolve(self, unit: ServeUnit, outcomes: list[Any] | None, error: BaseException | None) -> None:
         from .._serve_worker import Failed
 
+        self._wake()  # a worker is free: a micro-batch being filled may go now
         now = self.loop.time()
         for k, req in enumerate(unit.requests):
             self.outstanding.discard(req)
