@@ -327,6 +327,7 @@ def test_seed_none_draws_and_exposes_seed() -> None:
             assert [x[1].tolist() for x in b] == order
 
 
+@pytest.mark.torch
 def test_torch_dataset_and_sampler_work_unchanged(collect) -> None:
     import torch
     from torch.utils.data import Dataset, DistributedSampler
