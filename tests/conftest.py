@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import importlib.util
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -14,6 +16,9 @@ from typing import Any
 import pytest
 
 SHM_PREFIX = "aioloader_"
+# The Python on which CI installs torch (the one torch build on the machine's disk): there a
+# missing torch is a broken environment, not a reason to skip.
+TORCH_REQUIRED_ON = (3, 11)
 HELPER_MARKERS = ("forkserver", "resource_tracker", "semaphore_tracker")
 
 
@@ -86,6 +91,20 @@ def wait_until(cond: Callable[[], bool], timeout: float = 10.0, what: str = "con
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(0.005)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """``@pytest.mark.torch`` tests skip where torch is not installed, except on
+    :data:`TORCH_REQUIRED_ON`, where they fail instead of passing silently."""
+    if item.get_closest_marker("torch") is None or importlib.util.find_spec("torch") is not None:
+        return
+    if sys.version_info[:2] == TORCH_REQUIRED_ON:
+        pytest.fail(
+            "torch is not installed, and on Python 3.11 the torch tests must run "
+            '(pip install -e ".[dev]" installs torch==2.13.0)',
+            pytrace=False,
+        )
+    pytest.skip(f"torch is not installed (CI installs it only on Python {'.'.join(map(str, TORCH_REQUIRED_ON))})")
 
 
 @pytest.fixture(autouse=True)

@@ -327,6 +327,7 @@ def test_seed_none_draws_and_exposes_seed() -> None:
             assert [x[1].tolist() for x in b] == order
 
 
+@pytest.mark.torch
 def test_torch_dataset_and_sampler_work_unchanged(collect) -> None:
     import torch
     from torch.utils.data import Dataset, DistributedSampler
@@ -387,7 +388,10 @@ def test_uvloop_and_asyncio_loops(collect) -> None:
         async def main() -> list[int]:
             return [int(b[1][0]) async for b in loader]
 
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            assert runner.run(main()) == [0, 3, 6]
+        loop = uvloop.new_event_loop()  # (asyncio.Runner(loop_factory=...) needs 3.11)
+        try:
+            assert loop.run_until_complete(main()) == [0, 3, 6]
+        finally:
+            loop.close()
         assert asyncio.run(main()) == [0, 3, 6]
         assert collections.Counter(int(b[1][0]) for b in loader) == {0: 1, 3: 1, 6: 1}

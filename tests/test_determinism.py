@@ -37,7 +37,7 @@ def epochs(loader: aioloader.DataLoader, n: int) -> list[list[Any]]:
     return [list(loader) for _ in range(n)]
 
 
-@pytest.mark.parametrize("dataset_name", ["numpy+random", "torch"])
+@pytest.mark.parametrize("dataset_name", ["numpy+random", pytest.param("torch", marks=pytest.mark.torch)])
 def test_augmentations_identical_for_any_worker_count(dataset_name) -> None:
     if dataset_name == "torch":
         from ._torch_datasets import TorchAugmentedDataset as dataset_cls

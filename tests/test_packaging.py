@@ -1,0 +1,128 @@
+"""The sdist and the wheel hold what they promise.
+
+The sdist carries the test suite whole (conftest, helpers, fixtures), the examples and the
+docs, so that the tests run from it; the wheel carries the package alone, typed. Both are
+built from a copy of the working tree (tracked and untracked files that git does not
+ignore), offline, with the build backend installed in this environment.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED_DIRS = ("tests", "examples", "docs")
+_NOT_SOURCE = {".git", ".venv", "__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache", ".hypothesis", "build", "dist", "site"}
+
+pytestmark = pytest.mark.slow  # two builds and a collection: about 15 s
+
+
+def _source_files() -> list[str]:
+    """The files a release is made from: git's view when this is a checkout (an unpacked
+    sdist is not), else everything but caches and build outputs."""
+    if (ROOT / ".git").exists() and shutil.which("git"):
+        out = subprocess.run(
+            ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+            cwd=ROOT, capture_output=True, text=True, check=True,
+        ).stdout
+        return sorted(p for p in out.split("\0") if p and (ROOT / p).is_file())
+    files = []
+    for dirpath, dirnames, filenames in os.walk(ROOT):
+        dirnames[:] = [d for d in dirnames if d not in _NOT_SOURCE and not d.endswith(".egg-info")]
+        files += [Path(dirpath, f).relative_to(ROOT).as_posix() for f in filenames if not f.endswith(".pyc")]
+    return sorted(files)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[str], Path, Path]:
+    pytest.importorskip("build", reason="the build frontend comes with the test extra")
+    pytest.importorskip("setuptools", reason="the build backend comes with the test extra")
+    files = _source_files()
+    src = tmp_path_factory.mktemp("src")
+    for rel in files:
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / rel, src / rel)
+    out = tmp_path_factory.mktemp("dist")
+    # Without isolation: the backend installed here, no download. build makes the sdist,
+    # then the wheel *from the sdist*, so the sdist is proven to build.
+    proc = subprocess.run(
+        [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(src)],
+        capture_output=True, text=True, timeout=110,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (sdist,) = out.glob("*.tar.gz")
+    (wheel,) = out.glob("*.whl")
+    return files, sdist, wheel
+
+
+def _sdist_members(sdist: Path) -> tuple[str, set[str]]:
+    with tarfile.open(sdist) as tar:
+        names = [m.name for m in tar.getmembers() if m.isfile()]
+    top = names[0].split("/", 1)[0]
+    return top, {n.split("/", 1)[1] for n in names}
+
+
+def test_sdist_carries_the_test_suite_whole_and_the_license(built: tuple[list[str], Path, Path]) -> None:
+    files, sdist, _ = built
+    _, members = _sdist_members(sdist)
+    assert {"LICENSE", "README.md", "pyproject.toml", "mkdocs.yml", "aioloader/py.typed"} <= members
+    assert {"tests/conftest.py", "tests/_datasets.py", "tests/fixtures/README.md"} <= members
+    assert any(m.startswith("tests/fixtures/mxnet/") and m.endswith(".rec") for m in members)
+    expected = {f for f in files if f.split("/", 1)[0] in SHIPPED_DIRS}
+    assert expected - members == set(), "files of tests/, examples/ or docs/ missing from the sdist"
+    assert not [m for m in members if "__pycache__" in m or m.endswith(".pyc")]
+
+
+def test_sdist_metadata_says_apache_2_in_spdx_form(built: tuple[list[str], Path, Path]) -> None:
+    _, sdist, _ = built
+    top, _ = _sdist_members(sdist)
+    with tarfile.open(sdist) as tar:
+        f = tar.extractfile(f"{top}/PKG-INFO")
+        assert f is not None
+        meta = f.read().decode()
+    assert "License-Expression: Apache-2.0" in meta
+    assert "License-File: LICENSE" in meta
+
+
+def test_wheel_holds_the_typed_package_and_no_tests(built: tuple[list[str], Path, Path]) -> None:
+    _, _, wheel = built
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+        (meta_name,) = [n for n in names if n.endswith(".dist-info/METADATA")]
+        meta = zf.read(meta_name).decode()
+    assert "aioloader/py.typed" in names
+    assert "aioloader/__init__.py" in names
+    assert not [n for n in names if n.startswith(("tests/", "examples/", "docs/"))]
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
+    assert "License-Expression: Apache-2.0" in meta
+    # Users' torch: a range in the public extra; the exact pin only in the dev/bench sets.
+    torch_reqs = [line for line in meta.splitlines() if line.startswith("Requires-Dist: torch")]
+    assert any('torch>=2.0; extra == "torch"' in r for r in torch_reqs), torch_reqs
+    pinned = {r.split("extra == ", 1)[1] for r in torch_reqs if "==" in r.split(";", 1)[0]}
+    assert pinned == {'"dev"', '"bench"'}, torch_reqs
+
+
+def test_tests_collect_from_the_unpacked_sdist(built: tuple[list[str], Path, Path], tmp_path: Path) -> None:
+    """Collection imports every test module, conftest and helper: a missing one fails here."""
+    _, sdist, _ = built
+    with tarfile.open(sdist) as tar:
+        if hasattr(tarfile, "data_filter"):  # 3.10.12+: refuse paths outside tmp_path
+            tar.extractall(tmp_path, filter="data")
+        else:
+            tar.extractall(tmp_path)
+    (unpacked,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    env = {**os.environ, "PYTHONPATH": str(unpacked)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "tests"],
+        cwd=unpacked, env=env, capture_output=True, text=True, timeout=110,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "test_packaging.py" in proc.stdout and "test_core.py" in proc.stdout
