@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import contextlib
+import sys
 import threading
 import time
 from collections.abc import Coroutine
@@ -51,7 +53,12 @@ class Portal:
             try:
                 self._drain()
                 self.loop.run_until_complete(self.loop.shutdown_asyncgens())
-                self.loop.run_until_complete(self.loop.shutdown_default_executor())
+                # At interpreter exit no thread can start (3.12+ raises "can't create new
+                # thread at interpreter shutdown"), and the default executor's threads are
+                # joined by concurrent.futures' own exit hook anyway.
+                if not sys.is_finalizing():
+                    with contextlib.suppress(RuntimeError):
+                        self.loop.run_until_complete(self.loop.shutdown_default_executor())
             finally:
                 self.loop.close()
 

@@ -15,7 +15,8 @@ import types
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
-from ._worker import _add_note, _portable
+from ._worker import _portable
+from .errors import add_note as _add_note
 
 __all__ = ["Failed", "PerBatch", "PerItem"]
 

@@ -57,6 +57,23 @@ __all__ = [
 ]
 
 
+def add_note(exc: BaseException, note: str) -> None:
+    """``exc.add_note(note)``, also on Python 3.10 (which has ``__notes__`` but no
+    ``add_note``; its tracebacks do not print notes, but they stay on the exception)."""
+    add = getattr(exc, "add_note", None)
+    if add is not None:
+        add(note)
+        return
+    notes = getattr(exc, "__notes__", None)
+    try:
+        if notes is None:
+            exc.__notes__ = [note]
+        else:
+            notes.append(note)
+    except (AttributeError, TypeError):  # an exception type that refuses new attributes
+        pass
+
+
 class AioLoaderError(Exception):
     """Base class of every exception aioloader raises itself."""
 

@@ -29,6 +29,8 @@ from typing import Any, TypeVar
 import aiofiles
 import aiofiles.os
 
+from .errors import add_note
+
 __all__ = ["follow_lines", "read_files", "watch_folder"]
 
 StrPath = str | os.PathLike[str]
@@ -99,7 +101,7 @@ async def read_files(
             try:
                 data = task.result()
             except OSError as exc:
-                _add_note(exc, f"aioloader.sources.read_files: while reading {os.fspath(path)!r}")  # type: ignore[arg-type]
+                add_note(exc, f"aioloader.sources.read_files: while reading {os.fspath(path)!r}")  # type: ignore[arg-type]
                 raise
             yield path, data
     finally:
@@ -248,9 +250,3 @@ async def _watch(
 
 def _is_regular(mode: int) -> bool:
     return stat.S_ISREG(mode)
-
-
-def _add_note(exc: BaseException, note: str) -> None:
-    add = getattr(exc, "add_note", None)
-    if add is not None:  # Python 3.11+
-        add(note)

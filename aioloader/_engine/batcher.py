@@ -13,7 +13,7 @@ import asyncio
 from typing import Any
 
 from .. import _stream_worker
-from .._worker import _add_note
+from ..errors import add_note as _add_note
 from .epochs import WorkerSide
 from .feeds import EXHAUSTED, TIMEOUT, Feed
 

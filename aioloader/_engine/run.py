@@ -35,8 +35,7 @@ from typing import Any, NamedTuple, Protocol
 from .._dispatch import Dispatcher, cancelling
 from .._pool import WorkerPool
 from .._stats import Recorder, _Epoch
-from .._worker import _add_note as add_note
-from ..errors import LoaderClosedError
+from ..errors import LoaderClosedError, add_note
 
 __all__ = ["Delivery", "Run", "RunConfig", "Unit", "UnitSource", "closed_while_iterating"]
 
@@ -115,7 +114,8 @@ class _Raised:
         self.exc = exc
 
 
-_WAKE: Any = object()  # put on the ready queue by aclose(): wakes a waiting consumer
+_WAKE: Any = object()
+_HAS_CANCELLING = hasattr(asyncio.Task, "cancelling")  # put on the ready queue by aclose(): wakes a waiting consumer
 
 
 class Run:
@@ -251,8 +251,11 @@ class Run:
     async def _cancelled(self) -> BaseException:
         """The consumer saw ``CancelledError``: its own cancellation (re-raised), or the
         run closed under it (the end, or LoaderClosedError if the loader was closed)."""
+        # Without Task.cancelling() (Python 3.10): a run that was already closed when the
+        # consumer saw the error cancelled it; otherwise the consumer itself is cancelled.
+        own = cancelling() if _HAS_CANCELLING else not self.closed
         await self.aclose()
-        if cancelling():
+        if own:
             return asyncio.CancelledError()
         return self._end_error()
 
