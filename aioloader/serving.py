@@ -108,7 +108,9 @@ class Batcher(LoaderBase, Generic[Batch]):
         num_workers: worker processes; ``0`` runs ``fn`` in one background thread.
         max_pending: most requests waiting for dispatch; beyond it ``submit()`` raises
             :class:`~aioloader.Overloaded` (or waits, with ``block=True``).
-        prefetch: micro-batches in flight at once (default ``2 * num_workers``, >= 2).
+        prefetch: micro-batches dispatched at once (default ``num_workers + 1``: one per
+            worker and one ready behind them; requests beyond that wait in the queue,
+            where they can still be prioritised, cancelled or expired).
         timeout: seconds a micro-batch may run in a worker before it is killed and its
             requests fail with :class:`~aioloader.LoaderTimeout`.
         max_retries: resubmissions of a micro-batch whose worker died.
@@ -160,6 +162,8 @@ class Batcher(LoaderBase, Generic[Batch]):
             transport="pickle",
             trace=trace,
         )
+        if prefetch is None:
+            self.prefetch = self._pool.concurrency + 1
         self._counters = ServeCounters()
         self._inline_ctx: StreamContext | None = None
         self._queue: RequestQueue | None = None
