@@ -9,7 +9,22 @@ import aioloader
 
 PKG = Path(aioloader.__file__).resolve().parent
 # Code that runs inside workers must not need an event loop.
-WORKER_SIDE = ["_worker.py", "_seeding.py", "_collate.py", "_sampler.py", "errors.py", "recordio.py", "transforms.py"]
+WORKER_SIDE = [
+    "_worker.py",
+    "_seeding.py",
+    "_collate.py",
+    "_sampler.py",
+    "errors.py",
+    "recordio.py",
+    "transforms.py",
+    # the shared-memory package: workers import all of it (the encoder names the decoder)
+    "_shm/__init__.py",
+    "_shm/_names.py",
+    "_shm/_mapping.py",
+    "_shm/_arena.py",
+    "_shm/_encode.py",
+    "_shm/_decode.py",
+]
 
 
 def imports_of(path: Path) -> set[str]:
@@ -39,6 +54,11 @@ def test_worker_side_modules_never_import_asyncio() -> None:
             bad = {m for m in imports_of(path) if m.split(".")[0] in ("asyncio", "uvloop")}
             assert not bad, f"{name} imports {bad}"
 
+
+
+def test_every_shared_memory_module_is_checked() -> None:
+    listed = {n for n in WORKER_SIDE if n.startswith("_shm/")}
+    assert {f"_shm/{p.name}" for p in (PKG / "_shm").glob("*.py")} == listed
 
 def test_package_ships_py_typed() -> None:
     assert (PKG / "py.typed").exists()
