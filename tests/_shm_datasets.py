@@ -63,7 +63,7 @@ class NestedDataset:
 
 
 def odd_collate(samples: list[dict[str, Any]]) -> Any:
-    """A user collate_fn whose output has Fortran-ordered, strided and nested arrays."""
+    """A user collate_fn whose output has Fortran-ordered, strided, nested and repeated arrays."""
     imgs = np.stack([s["img"] for s in samples])
     return OrderedDict(
         [
@@ -72,6 +72,7 @@ def odd_collate(samples: list[dict[str, Any]]) -> Any:
             ("plain", imgs),
             ("small", np.array([s["label"] for s in samples])),
             ("nested", [(imgs * 2, "x")]),
+            ("again", imgs),  # the same array as "plain"
         ]
     )
 

@@ -110,6 +110,7 @@ def test_user_collate_output_goes_through_shm(collect: Callable[..., list[Any]])
         assert_same(a, b)
         assert shm_backed(a["fortran"]) and a["fortran"].flags.f_contiguous
         assert shm_backed(a["strided"]) and shm_backed(a["nested"][0][0])
+        assert a["again"] is a["plain"] and b["again"] is b["plain"]  # one array, as pickle keeps it
 
 
 def test_collate_errors_are_unchanged() -> None:

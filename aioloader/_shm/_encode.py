@@ -159,16 +159,20 @@ class _Deferring(Stacker):
         return self.leaves[-1]
 
 
-def _extract(obj: Any, leaves: list[_Leaf], min_bytes: int) -> Any:
+def _extract(obj: Any, leaves: dict[int, _Leaf], min_bytes: int) -> Any:
     """``obj`` with each large exact-``ndarray`` leaf replaced by a :class:`_Leaf`, inside
     containers that can be rebuilt exactly (their instances carry no state of their own:
-    no namedtuple with a ``__dict__``); ``obj`` itself where nothing was replaced."""
+    no namedtuple with a ``__dict__``); ``obj`` itself where nothing was replaced. An
+    array found twice is one leaf (``leaves`` is keyed by ``id``), so that it arrives as
+    one array, as pickle would deliver it."""
     t = type(obj)
     if t is np.ndarray:
         if obj.nbytes < min_bytes or obj.dtype.hasobject:
             return obj
-        leaf = _Leaf(obj, obj.shape, obj.dtype, bool(obj.flags.f_contiguous and not obj.flags.c_contiguous))
-        leaves.append(leaf)
+        leaf = leaves.get(id(obj))
+        if leaf is None:
+            fortran = bool(obj.flags.f_contiguous and not obj.flags.c_contiguous)
+            leaf = leaves[id(obj)] = _Leaf(obj, obj.shape, obj.dtype, fortran)
         return leaf
     if t is dict or t is OrderedDict:
         values = [_extract(v, leaves, min_bytes) for v in obj.values()]
@@ -263,9 +267,9 @@ class ShmEncoder:
             return batch
         if self._disabled() is not None:
             return self.fallback(batch)
-        leaves: list[_Leaf] = []
+        leaves: dict[int, _Leaf] = {}
         tree = _extract(batch, leaves, self.config.min_leaf_bytes)
-        return self.place(tree, leaves, batch) if leaves else batch
+        return self.place(tree, list(leaves.values()), batch) if leaves else batch
 
 
 class ShmCollate:
