@@ -161,7 +161,7 @@ def _collate(samples: Sequence[Any], path: str, stack: Stacker) -> Any:
 
 def collate_with(samples: Sequence[Any], stack: Stacker) -> Any:
     """:func:`default_collate`, with ``stack`` deciding where stacked arrays and tensors
-    live. Same errors, raised before ``stack`` is asked for anything it cannot undo."""
+    live: the same dispatch and the same errors, whatever ``stack`` does."""
     if len(samples) == 0:
         raise CollateError("cannot collate an empty batch", positions=[])
     return _collate(samples, "", stack)

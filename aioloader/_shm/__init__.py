@@ -84,6 +84,8 @@ from ..errors import SharedMemoryError, ShmFallbackWarning
 from ._decode import ShmDecoder, mapped_slabs, sweep
 from ._encode import ShmBatch, ShmCollate, ShmEncoder
 from ._mapping import _Export
+
+# SHM_DIR below is a copy: code reads _names.SHM_DIR, the one to point elsewhere in a test.
 from ._names import (
     CAPACITY_ENV,
     FOREIGN_GRACE_S,
