@@ -6,9 +6,10 @@ anyway) and, unless asked otherwise, for borrowed executors (they may run elsewh
 
 ``shm``: array leaves travel through shared memory (see :mod:`aioloader._shm` for the
 slabs, and for who creates and who unlinks them). The worker-side ``encode`` (and, with
-:func:`~aioloader.default_collate`, a collate that stacks straight into shared memory)
-returns a small descriptor; the consumer-side ``decode`` turns it into arrays that view
-the memory. ``transport="shm"`` on a borrowed executor is honoured per worker: a worker
+:func:`~aioloader.default_collate`, the same collate stacking its large arrays and torch
+tensors straight into shared memory) returns a small descriptor, whose unpickling in
+the consumer builds the arrays that view the memory; the consumer-side ``decode``
+returns that batch (or raises what went wrong) and warns once about a fallback. ``transport="shm"`` on a borrowed executor is honoured per worker: a worker
 that cannot share memory with the consumer (another host, container or pid namespace)
 pickles its batches and the consumer warns once.
 

@@ -24,6 +24,7 @@ from aioloader._shm import ShmFallbackWarning
 from aioloader._transport import make_transport
 
 from . import _shm_datasets as D
+from ._shm_datasets import assert_same, shm_backed
 from .conftest import _children, _cmdline, descendant_workers, wait_until
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,15 +39,6 @@ def mine(pid: int | None = None) -> set[str]:
     return {n for n in os.listdir(_shm.SHM_DIR) if n.startswith(prefix)}
 
 
-def shm_backed(a: np.ndarray) -> bool:
-    base: Any = a
-    while base is not None:
-        if type(base) is _shm._Export:
-            return True
-        base = getattr(base, "base", None)
-    return False
-
-
 def expected_images(indices: list[int], shape: tuple[int, ...] = (3, 64, 64)) -> np.ndarray:
     return np.stack([D.image(i, shape) for i in indices])
 
@@ -58,26 +50,6 @@ def check_image_batches(batches: list[Any], batch_size: int, n: int) -> None:
         assert b["img"].dtype == np.float32
         assert b["img"].tobytes() == expected_images(idx).tobytes(), f"batch {k} corrupted"
         assert b["label"].tolist() == idx
-
-
-def assert_same(a: Any, b: Any, path: str = "batch") -> None:
-    """Same structure, container types, dtypes, shapes, memory order and bytes."""
-    assert type(a) is type(b), f"{path}: {type(a)} != {type(b)}"
-    if isinstance(a, np.ndarray):
-        assert a.dtype == b.dtype and a.shape == b.shape, path
-        assert a.flags.c_contiguous == b.flags.c_contiguous, path
-        assert a.flags.f_contiguous == b.flags.f_contiguous, path
-        assert a.tobytes(order="A") == b.tobytes(order="A"), path
-    elif isinstance(a, dict):
-        assert list(a) == list(b), path
-        for k in a:
-            assert_same(a[k], b[k], f"{path}[{k!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), path
-        for k, (x, y) in enumerate(zip(a, b, strict=True)):
-            assert_same(x, y, f"{path}[{k}]")
-    else:
-        assert a == b, path
 
 
 def loader(ds: Any, **kw: Any) -> DataLoader:
@@ -97,7 +69,7 @@ def test_auto_picks_shm_only_for_own_process_pools() -> None:
 
 
 def test_no_dev_shm_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_shm, "SHM_DIR", "/nonexistent/shm")
+    monkeypatch.setattr(_shm._names, "SHM_DIR", "/nonexistent/shm")
     assert make_transport("auto", pool_kind="process", prefetch=4).kind == "pickle"
     with pytest.warns(ShmFallbackWarning, match="does not exist"):
         assert make_transport("shm", pool_kind="process", prefetch=4).kind == "pickle"
@@ -138,6 +110,7 @@ def test_user_collate_output_goes_through_shm(collect: Callable[..., list[Any]])
         assert_same(a, b)
         assert shm_backed(a["fortran"]) and a["fortran"].flags.f_contiguous
         assert shm_backed(a["strided"]) and shm_backed(a["nested"][0][0])
+        assert a["again"] is a["plain"] and b["again"] is b["plain"]  # one array, as pickle keeps it
 
 
 def test_collate_errors_are_unchanged() -> None:
