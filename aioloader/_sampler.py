@@ -16,6 +16,7 @@ sampler or batch sampler is iterated in full (once per epoch, and checked as it 
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, overload
@@ -31,6 +32,7 @@ __all__ = [
     "DistributedSampler",
     "EpochBatches",
     "EpochPlan",
+    "RemainingPositions",
     "dataset_length",
     "epoch_permutation",
     "shard_count",
@@ -192,6 +194,52 @@ class EpochPlan:
 
     def __len__(self) -> int:
         return len(self.batches)
+
+
+class RemainingPositions(Sequence[int]):
+    """The batch positions of ``range(total)`` still to deliver on resume: all but the
+    first ``prefix`` and those in ``after`` (each ``> prefix``). Memory is O(len(after)),
+    not O(total), so resuming deep into a long epoch costs nothing extra."""
+
+    def __init__(self, total: int, prefix: int = 0, after: Iterable[int] = ()) -> None:
+        self.total, self.prefix = total, min(prefix, total)
+        self.after = sorted({p for p in after if self.prefix <= p < total})
+        self._len = total - self.prefix - len(self.after)
+
+    def __len__(self) -> int:
+        return self._len
+
+    @overload
+    def __getitem__(self, k: int) -> int: ...
+    @overload
+    def __getitem__(self, k: slice) -> list[int]: ...
+    def __getitem__(self, k: int | slice) -> int | list[int]:
+        if isinstance(k, slice):
+            return [self[i] for i in range(*k.indices(self._len))]
+        i = k + (self._len if k < 0 else 0)
+        if not 0 <= i < self._len:
+            raise IndexError(f"position {k} out of range for {self._len} remaining batches")
+        # The i-th remaining position p satisfies p = prefix + i + #(after <= p).
+        p = self.prefix + i
+        skipped = 0
+        while True:
+            now = bisect.bisect_right(self.after, p + skipped)
+            if now == skipped:
+                return p + skipped
+            skipped = now
+
+    def __iter__(self) -> Iterator[int]:
+        start = self.prefix
+        for skip in self.after:
+            yield from range(start, skip)
+            start = skip + 1
+        yield from range(start, self.total)
+
+    def __contains__(self, p: object) -> bool:
+        if not isinstance(p, int) or not self.prefix <= p < self.total:
+            return False
+        j = bisect.bisect_left(self.after, p)
+        return j == len(self.after) or self.after[j] != p
 
 
 def _set_epoch(obj: object, epoch: int) -> None:

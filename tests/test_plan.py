@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 import aioloader
 from aioloader._indices import dataset_length
 from aioloader._permute import FEISTEL_ROUNDS, IndexShuffle, _walk, permute, round_keys
-from aioloader._sampler import BatchPlanner, epoch_permutation, shard_count, shard_indices
+from aioloader._sampler import BatchPlanner, RemainingPositions, epoch_permutation, shard_count, shard_indices
 
 from ._datasets import RangeDataset
 
@@ -228,6 +228,20 @@ def test_a_plan_over_10_12_samples_costs_no_memory() -> None:
     # Rank r's first batch holds global positions r, r + 8, ...: check through the inverse.
     pos = IndexShuffle(n, 1, 5).inverse(firsts[3])
     assert pos.tolist() == list(range(3, world * bs, world))
+
+
+@settings(max_examples=100, deadline=None)
+@given(total=st.integers(0, 40), prefix=st.integers(0, 45), after=st.sets(st.integers(0, 45), max_size=8))
+def test_remaining_positions_equal_the_list_they_replace(total, prefix, after) -> None:
+    expected = [p for p in range(total) if p >= prefix and p not in after]
+    rest = RemainingPositions(total, prefix, after)
+    assert list(rest) == expected and len(rest) == len(expected)
+    assert [rest[k] for k in range(len(rest))] == expected == rest[:]
+    assert [p for p in range(-2, total + 2) if p in rest] == expected
+    if expected:
+        assert rest[-1] == expected[-1]
+    with pytest.raises(IndexError):
+        rest[len(expected)]
 
 
 def test_sequential_plans_are_arithmetic_too() -> None:
