@@ -19,7 +19,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, overload
+from typing import Any, Literal, Protocol, TypeVar, overload
 
 import numpy as np
 from numpy.typing import NDArray
@@ -133,18 +133,45 @@ class _ComputedOrder:
         return pos.astype(self.dtype)
 
 
-class EpochBatches(Sequence[Indices]):
+T = TypeVar("T")
+
+
+class _Computed(Sequence[T]):
+    """A sequence whose items are computed by ``_item(k)`` for ``0 <= k < len``."""
+
+    _len: int
+    _noun, _nouns = "item", "items"
+
+    def __len__(self) -> int:
+        return self._len
+
+    def _item(self, k: int) -> T:
+        raise NotImplementedError
+
+    @overload
+    def __getitem__(self, k: int) -> T: ...
+    @overload
+    def __getitem__(self, k: slice) -> list[T]: ...
+    def __getitem__(self, k: int | slice) -> T | list[T]:
+        if isinstance(k, slice):
+            return [self._item(i) for i in range(*k.indices(self._len))]
+        i = int(k) + (self._len if k < 0 else 0)
+        if not 0 <= i < self._len:
+            raise IndexError(f"{self._noun} {k} out of range for {self._len} {self._nouns}")
+        return self._item(i)
+
+
+class EpochBatches(_Computed[Indices]):
     """The batches of one epoch, computed when indexed: ``batches[k]`` is a fresh array of
     the sample indices of batch ``k``. The epoch is ``carry`` followed by ``order``; only
     its first ``end`` positions are batched (the rest is rolled over or discarded)."""
+
+    _noun, _nouns = "batch", "batches in the epoch"
 
     def __init__(self, order: _Order, carry: NDArray[np.int64], batch_size: int, end: int) -> None:
         self._order, self._carry, self._bs, self._end = order, carry, batch_size, end
         self._len = -(-end // batch_size)
         self._block: tuple[int, int, Indices] | None = None  # (start, stop, indices) last computed
-
-    def __len__(self) -> int:
-        return self._len
 
     def span(self, start: int, stop: int) -> Indices:
         """The indices at positions ``[start, stop)`` of the epoch (carry first)."""
@@ -155,16 +182,7 @@ class EpochBatches(Sequence[Indices]):
         tail = self._order.take(max(start, c) - c, stop - c)
         return np.concatenate([head.astype(tail.dtype), tail]) if len(head) else tail
 
-    @overload
-    def __getitem__(self, pos: int) -> Indices: ...
-    @overload
-    def __getitem__(self, pos: slice) -> list[Indices]: ...
-    def __getitem__(self, pos: int | slice) -> Indices | list[Indices]:
-        if isinstance(pos, slice):
-            return [self[k] for k in range(*pos.indices(self._len))]
-        k = int(pos) + (self._len if pos < 0 else 0)
-        if not 0 <= k < self._len:
-            raise IndexError(f"batch {pos} out of range for an epoch of {self._len} batches")
+    def _item(self, k: int) -> Indices:
         start = k * self._bs
         stop = min(start + self._bs, self._end)
         block = self._block  # one read: another thread may replace it meanwhile
@@ -176,7 +194,7 @@ class EpochBatches(Sequence[Indices]):
         return block[2][start - block[0] : stop - block[0]].copy()
 
     def __iter__(self) -> Iterator[Indices]:
-        return (self[k] for k in range(self._len))
+        return (self._item(k) for k in range(self._len))
 
 
 @dataclass(frozen=True)
@@ -196,29 +214,19 @@ class EpochPlan:
         return len(self.batches)
 
 
-class RemainingPositions(Sequence[int]):
+class RemainingPositions(_Computed[int]):
     """The batch positions of ``range(total)`` still to deliver on resume: all but the
     first ``prefix`` and those in ``after`` (each ``> prefix``). Memory is O(len(after)),
     not O(total), so resuming deep into a long epoch costs nothing extra."""
+
+    _noun, _nouns = "position", "remaining batch positions"
 
     def __init__(self, total: int, prefix: int = 0, after: Iterable[int] = ()) -> None:
         self.total, self.prefix = total, min(prefix, total)
         self.after = sorted({p for p in after if self.prefix <= p < total})
         self._len = total - self.prefix - len(self.after)
 
-    def __len__(self) -> int:
-        return self._len
-
-    @overload
-    def __getitem__(self, k: int) -> int: ...
-    @overload
-    def __getitem__(self, k: slice) -> list[int]: ...
-    def __getitem__(self, k: int | slice) -> int | list[int]:
-        if isinstance(k, slice):
-            return [self[i] for i in range(*k.indices(self._len))]
-        i = k + (self._len if k < 0 else 0)
-        if not 0 <= i < self._len:
-            raise IndexError(f"position {k} out of range for {self._len} remaining batches")
+    def _item(self, i: int) -> int:
         # The i-th remaining position p satisfies p = prefix + i + #(after <= p).
         p = self.prefix + i
         skipped = 0
