@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import aioloader
+from aioloader._permute import IndexShuffle
 from aioloader._sampler import shard_indices
 
 from ._datasets import (
@@ -159,6 +160,13 @@ def test_resume_with_workers_and_twice_in_a_row(num_workers) -> None:
     assert resumed_run(kwargs, 3, [3, 4, 12, 20]) == expected
 
 
+@pytest.mark.parametrize("policy", ["pad", "uneven"])
+def test_resume_with_shards_and_rollover(policy) -> None:
+    kwargs = {"n": 41, "batch_size": 4, "last_batch": "rollover", "shuffle": True, "seed": 3, "shard": (1, 3), "shard_policy": policy}
+    expected = [b for _e, b in run_plan(dict(kwargs), 3)]
+    assert resumed_run(kwargs, 3, [2, 3, 7]) == expected
+
+
 def test_resume_unordered_loses_and_repeats_nothing() -> None:
     base = {"batch_size": 3, "shuffle": True, "seed": 2, "num_workers": 2, "ordered": False}
     with aioloader.DataLoader(RangeDataset(30), **base) as loader:
@@ -303,6 +311,18 @@ def test_distributed_sampler_for_other_loaders() -> None:
     assert set().union(*map(set, parts)) == set(range(10))
     with pytest.raises(ValueError, match="rank"):
         aioloader.DistributedSampler(10, 3, 3)
+
+
+def test_any_epoch_is_the_index_shuffle_strided_by_rank() -> None:
+    # Epoch e of rank r is positions r, r + w, ... of IndexShuffle(n, seed, e): nothing
+    # depends on the epochs before it, so set_epoch can jump anywhere at no cost.
+    n, seed, world = 45, 12, 3
+    for rank in range(world):
+        with aioloader.DataLoader(RangeDataset(n), 8, shuffle=True, seed=seed, shard=(rank, world)) as loader:
+            for epoch in (0, 7, 10**6):
+                loader.set_epoch(epoch)
+                got = [int(i) for b in loader for i in b[1]]
+                assert got == IndexShuffle(n, seed, epoch)(np.arange(rank, n, world)).tolist()
 
 
 def test_state_dict_after_break_points_at_the_next_epoch() -> None:
