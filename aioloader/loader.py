@@ -25,7 +25,7 @@ from ._engine.resume import cursor_from_state, state_from_cursor
 from ._engine.run import Run, RunConfig
 from ._facade import IterableLoader, Lifecycle
 from ._pool import WorkerPool
-from ._sampler import BatchPlanner, LastBatch, ShardPolicy
+from ._sampler import BatchPlanner, LastBatch, ShardPolicy, dataset_length
 from ._transport import TransportKind
 from ._types import Batch, BatchSampler, CollateFn, MapDataset, Sampler
 from ._validate import check_bool, check_choice, check_int, check_seconds
@@ -417,4 +417,4 @@ def _dataset_length(dataset: Any) -> int:
         raise TypeError(
             f"dataset must be map-style (define __len__ and __getitem__), got {type(dataset).__name__}"
         )
-    return len(dataset)
+    return dataset_length(dataset)

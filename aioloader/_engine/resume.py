@@ -19,7 +19,7 @@ from .epochs import Cursor
 
 __all__ = ["STATE_VERSION", "cursor_from_state", "state_from_cursor"]
 
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: epoch orders come from the index shuffle (_permute.py)
 
 
 def state_from_cursor(cur: Cursor, seed: int, identity: dict[str, Any]) -> dict[str, Any]:
