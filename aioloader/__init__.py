@@ -6,8 +6,8 @@ Public names are re-exported here; the implementation lives in private modules.
 from __future__ import annotations
 
 from ._collate import default_collate as default_collate
+from ._plan.sampler import DistributedSampler as DistributedSampler
 from ._pool import WorkerPool as WorkerPool
-from ._sampler import DistributedSampler as DistributedSampler
 from ._seeding import sample_rng as sample_rng
 from ._stats import EpochStats as EpochStats
 from ._stats import LoaderStats as LoaderStats

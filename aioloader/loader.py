@@ -24,8 +24,8 @@ from ._engine.epochs import Cursor, EpochPass, EpochSource, Parked, WorkerSide
 from ._engine.resume import cursor_from_state, state_from_cursor
 from ._engine.run import Run, RunConfig
 from ._facade import IterableLoader, Lifecycle
+from ._plan.sampler import BatchPlanner, LastBatch, ShardPolicy, dataset_length
 from ._pool import WorkerPool
-from ._sampler import BatchPlanner, LastBatch, ShardPolicy, dataset_length
 from ._transport import TransportKind
 from ._types import Batch, BatchSampler, CollateFn, MapDataset, Sampler
 from ._validate import check_bool, check_choice, check_int, check_seconds

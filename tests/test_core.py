@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import aioloader
-from aioloader._sampler import epoch_permutation
+from aioloader._plan.sampler import epoch_permutation
 
 from ._datasets import PidDataset, RangeDataset, RecordingDataset, SlowDataset
 from .conftest import descendant_workers, wait_until

@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import aioloader
-from aioloader._permute import IndexShuffle
-from aioloader._sampler import shard_indices
+from aioloader._plan.permute import IndexShuffle
+from aioloader._plan.sampler import shard_indices
 
 from ._datasets import (
     AugmentedCrashDataset,

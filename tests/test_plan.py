@@ -15,9 +15,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import aioloader
-from aioloader._indices import dataset_length
-from aioloader._permute import FEISTEL_ROUNDS, IndexShuffle, _walk, permute, round_keys
-from aioloader._sampler import BatchPlanner, RemainingPositions, epoch_permutation, shard_count, shard_indices
+from aioloader._plan.indices import dataset_length
+from aioloader._plan.permute import FEISTEL_ROUNDS, IndexShuffle, _walk, permute, round_keys
+from aioloader._plan.sampler import (
+    BatchPlanner,
+    RemainingPositions,
+    epoch_permutation,
+    shard_count,
+    shard_indices,
+)
 
 from ._datasets import RangeDataset
 

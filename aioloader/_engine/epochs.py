@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from .. import _worker
-from .._sampler import EpochPlan
+from .._plan.sampler import EpochPlan
 from .._stats import Recorder
 from ..errors import TooManySkippedError
 from .run import Run, add_context

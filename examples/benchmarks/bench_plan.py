@@ -68,7 +68,7 @@ def _reset_peak() -> bool:
 def _first_batch(impl: str, n: int, world: int) -> tuple[Any, Any]:
     """Build the plan and its first batch; return (the batch, a way to get more)."""
     if impl == "aioloader":
-        from aioloader._sampler import BatchPlanner
+        from aioloader._plan.sampler import BatchPlanner
 
         planner = BatchPlanner(
             n, batch_size=BATCH, shuffle=True, sampler=None, batch_sampler=None,

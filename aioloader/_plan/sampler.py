@@ -9,7 +9,7 @@ epoch can be rebuilt and entered at any batch without loading a sample.
 No plan holds the epoch's order. A plan's ``batches`` is a lazy sequence that computes
 batch ``k`` when asked, from arithmetic on positions: rank ``r`` of ``w`` takes global
 positions ``r, r + w, r + 2w, ...`` of the epoch (wrapping around for ``pad``), and a
-shuffled epoch maps each global position through :class:`~aioloader._permute.IndexShuffle`.
+shuffled epoch maps each global position through :class:`~aioloader._plan.permute.IndexShuffle`.
 So building a plan costs the same for ten samples as for ``10**12``. Only a user's own
 sampler or batch sampler is iterated in full (once per epoch, and checked as it goes).
 """
@@ -24,8 +24,8 @@ from typing import Any, Literal, Protocol, TypeVar, overload
 import numpy as np
 from numpy.typing import NDArray
 
-from ._indices import batch_sampler_batches, check_length, dataset_length, sampler_order
-from ._permute import IndexShuffle
+from .indices import batch_sampler_batches, check_length, dataset_length, sampler_order
+from .permute import IndexShuffle
 
 __all__ = [
     "BatchPlanner",

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from ._permute import MAX_LENGTH
+from .permute import MAX_LENGTH
 
 __all__ = ["batch_sampler_batches", "check_length", "dataset_length", "sampler_order"]
 
