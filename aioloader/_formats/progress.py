@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from tqdm import tqdm
+from tqdm import tqdm  # type: ignore[import-untyped,unused-ignore]  # (no stubs; users run mypy too)
 
 __all__ = ["progress_bar"]
 
