@@ -208,7 +208,11 @@ def _describe_code(code: int | None) -> str:
 
 
 def cancelling() -> bool:
-    """Is the current task itself being cancelled (as opposed to something it awaited)?"""
+    """Is the current task itself being cancelled (as opposed to something it awaited)?
+
+    Python 3.10 has no ``Task.cancelling()``: there the answer is "no", and callers must
+    tell their own shutdown apart by their own flags (the dispatcher's ``stopping``, the
+    loader's closed flag), which are set before anything is cancelled."""
     task = asyncio.current_task()
     cancelling = getattr(task, "cancelling", None)
-    return bool(cancelling()) if cancelling is not None else True
+    return bool(cancelling()) if cancelling is not None else False
