@@ -316,6 +316,7 @@ def test_bad_batch_sampler_items_name_the_batch_position_and_value(batch_sampler
         assert word in str(info.value)
 
 
+@pytest.mark.torch
 def test_integer_like_indices_are_accepted() -> None:
     import torch
 

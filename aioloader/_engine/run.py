@@ -222,7 +222,10 @@ class Run:
                 self.aside.append(entry)  # a later group's unit, finished early
                 continue
             try:
-                res = await entry
+                # Shielded: a consumer cancelled while it waits must not cancel the unit
+                # itself (its dispatcher could not tell that from a pool event on 3.10);
+                # the run's own close cancels units, with the dispatcher told first.
+                res = await asyncio.shield(entry)
             except asyncio.CancelledError:
                 raise await self._cancelled() from None
             except Exception as exc:
