@@ -169,11 +169,18 @@ def _run_init(ctx: WorkerContext) -> None:
 
 
 _orphan_hooks: list[Callable[[], None]] = []
+_orphan_lock = threading.Lock()
+_orphaned = False
 
 
 def on_orphaned(hook: Callable[[], None]) -> None:
-    """Run ``hook`` in this worker if its consumer process dies (before the worker exits)."""
-    _orphan_hooks.append(hook)
+    """Run ``hook`` in this worker if its consumer process dies (before the worker exits);
+    at once, in the caller, if it has died already."""
+    with _orphan_lock:
+        if not _orphaned:
+            _orphan_hooks.append(hook)
+            return
+    hook()
 
 
 def wait_for_exit(pid: int) -> None:
@@ -207,8 +214,12 @@ def _exit_when_orphaned(consumer_pid: int) -> None:
     not tell a blocked worker that the consumer was killed (SIGKILL, OOM): without this,
     such workers would live on forever.
     """
+    global _orphaned
     wait_for_exit(consumer_pid)
-    for hook in list(_orphan_hooks):
+    with _orphan_lock:  # a hook registered from now on runs in its caller
+        _orphaned = True
+        hooks = list(_orphan_hooks)
+    for hook in hooks:
         try:
             hook()
         except Exception:  # best effort: the process is going away

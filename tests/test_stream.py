@@ -201,7 +201,7 @@ async def test_zero_latency_takes_what_is_already_queued() -> None:
 def test_order(mode: str, ordered: bool, request: pytest.FixtureRequest) -> None:
     """Item 0 is slow. Ordered: it still comes first (it is released once item 3 has
     been computed). Unordered: it is released only after the consumer has seen the
-    three others, so it can only come last."""
+    three others, so it can only come last; the other three come in the order they finish."""
     key = request.node.nodeid
     release = f"{key}:done:3" if ordered else f"{key}:release"
     seen: list[int] = []
@@ -217,7 +217,10 @@ def test_order(mode: str, ordered: bool, request: pytest.FixtureRequest) -> None
             range(4), HoldFirst(release), batch_size=1, prefetch=4, ordered=ordered, executor=ex
         ) as stream:
             drive(mode, stream, step)
-    assert seen == ([0, 1, 2, 3] if ordered else [1, 2, 3, 0])
+    if ordered:
+        assert seen == [0, 1, 2, 3]
+    else:  # 1, 2 and 3 run on three threads at once and may finish in any order
+        assert seen[-1] == 0 and sorted(seen[:3]) == [1, 2, 3], seen
 
 
 # ------------------------------------------------------------------ early exit

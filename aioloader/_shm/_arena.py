@@ -60,7 +60,8 @@ class _Arena:
         self.slabs: list[_WSlab] = []
         self.names: set[str] = set()  # names of our slabs; most already unlinked by the consumer
         self.retired: list[str] = []  # slabs dropped here; the consumer should drop its mapping too
-        self.lock = threading.Lock()
+        # Reentrant: a worker already orphaned runs consumer_died from watch() at once.
+        self.lock = threading.RLock()
         self.dead = False
         self._watcher: threading.Thread | None = None
 
@@ -103,6 +104,9 @@ class _Arena:
         """A slab with room for ``need`` data bytes, marked busy; or ``(None, reason)``:
         no reason means "all slabs busy, pickle this batch", a reason disables shm."""
         with self.lock:
+            # Watch before the first slab exists, so no name can be created after (or
+            # while) the orphan watch runs its cleanup and ends the process.
+            self.watch()
             if self.dead:
                 return None, None
             ticket = next(self.tickets)
@@ -140,7 +144,6 @@ class _Arena:
                 f"{exc}. {enlarge_advice()}"
             )
         self.slabs.append(slab)
-        self.watch()
         return slab
 
     def _trim(self, ticket: int, idle: int) -> None:

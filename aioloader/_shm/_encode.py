@@ -13,6 +13,7 @@ Runs in workers; never imports asyncio.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sys
@@ -142,12 +143,13 @@ class _Deferring(Stacker):
         torch = sys.modules["torch"]
         first = samples[0]
         full = (len(samples), *first.shape)
-        dtype = _numpy_dtype(torch, first.dtype)
+        # torch.stack promotes mixed dtypes (float32 with float64 gives float64); the
+        # slab is laid out for the dtype it will produce.
+        dtype = _numpy_dtype(torch, functools.reduce(torch.promote_types, (s.dtype for s in samples)))
         # Only what torch.stack turns into a plain, contiguous CPU tensor equal to its
         # own bytes; anything else (autograd, other devices, subclasses) is stacked here.
         if dtype is None or not self._large(full, dtype) or not all(
             type(s) is torch.Tensor
-            and s.dtype == first.dtype
             and s.device.type == "cpu"
             and s.layout == torch.strided
             and not s.requires_grad

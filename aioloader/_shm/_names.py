@@ -106,6 +106,9 @@ def host_key() -> tuple[str, int, int, int]:
     return _host
 
 
+_PF_EXITING = 0x4  # linux/sched.h
+
+
 def _pid_alive(pid: int) -> bool:
     """True unless ``pid`` has exited (a zombie counts as exited)."""
     try:
@@ -121,9 +124,13 @@ def _pid_alive(pid: int) -> bool:
         except PermissionError:
             return True
         return True
-    close = stat.rfind(b")")
-    state = stat[close + 2 : close + 3]
-    return state not in (b"Z", b"X", b"x")
+    # After the command name: state, ppid, pgrp, session, tty_nr, tpgid, flags, ...
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    if fields[:1] in ([b"Z"], [b"X"], [b"x"]):
+        return False
+    # A process being killed closes its files (so its pipes read EOF in our workers)
+    # before it becomes a zombie; the kernel flags it as exiting first (PF_EXITING).
+    return len(fields) < 7 or not int(fields[6]) & _PF_EXITING
 
 
 def _parse_name(name: str) -> tuple[int, int] | None:
