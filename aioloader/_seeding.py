@@ -17,7 +17,7 @@ import threading
 
 import numpy as np
 
-__all__ = ["sample_key", "sample_rng", "sample_seed", "seed_sample"]
+__all__ = ["enter_sample", "sample_key", "sample_rng", "sample_seed", "seed_sample"]
 
 
 class _Local(threading.local):
@@ -59,6 +59,7 @@ def seed_sample(seed: int, epoch: int, index: int) -> None:
     more).
     """
     s64 = sample_seed(seed, epoch, index)
+    enter_sample(seed, epoch, index)
     random.seed(s64)
     np.random.seed(s64 & 0xFFFF_FFFF)
     torch = sys.modules.get("torch")
@@ -66,6 +67,11 @@ def seed_sample(seed: int, epoch: int, index: int) -> None:
         gen = getattr(torch, "default_generator", None)
         if gen is not None:
             gen.manual_seed(s64 >> 1)
+
+
+def enter_sample(seed: int, epoch: int, index: int) -> None:
+    """Make :func:`sample_rng` and :func:`sample_key` answer for this sample, in this
+    thread only; the global generators are left alone."""
     _local.key = (seed, epoch, index)
     _local.rng = None
 

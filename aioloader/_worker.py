@@ -275,6 +275,9 @@ def _portable(exc: BaseException, ctx: WorkerContext) -> BaseException:
         return remote
 
 
+_SEEDED_BATCH_LOCK = threading.RLock()
+
+
 class _GlobalRngGuard:
     """Thread mode: keep the consumer's global random state as it was."""
 
@@ -321,10 +324,16 @@ def run_batch(task: BatchTask) -> BatchResult | str:
     start = time.monotonic_ns()
     _mark_start(task.task_id, start)
     try:
-        if ctx.remote:
+        if not ctx.seed_samples:
             data, skipped = _build(ctx, task)
-        else:
-            with _GlobalRngGuard():
+        elif ctx.remote:
+            # random's and numpy's global generators are shared by every thread of a
+            # process (a thread executor, a dask worker's threads): seeded batches build
+            # one at a time. A process-pool worker has one thread; the lock costs nothing.
+            with _SEEDED_BATCH_LOCK:
+                data, skipped = _build(ctx, task)
+        else:  # in the consumer's process: its own random state is put back after
+            with _SEEDED_BATCH_LOCK, _GlobalRngGuard():
                 data, skipped = _build(ctx, task)
     finally:
         _mark_end(task.task_id)
@@ -352,6 +361,8 @@ def _build(ctx: WorkerContext, task: BatchTask) -> tuple[Any, tuple[tuple[int, s
         for i in indices:
             if ctx.seed_samples:
                 _seeding.seed_sample(task.seed, task.epoch, i)
+            else:
+                _seeding.enter_sample(task.seed, task.epoch, i)
             try:
                 samples.append(dataset[i])
             except Exception as exc:

@@ -81,7 +81,9 @@ class DataLoader(IterableLoader, Generic[Batch]):
         prefetch_next_epoch: start building the next epoch's first batches while the
             current epoch's last ones are in flight (within the same ``prefetch`` bound).
         seed_samples: seed ``random``/numpy/torch before every sample (see
-            :func:`~aioloader.sample_rng`).
+            :func:`~aioloader.sample_rng`). Threads of one process share those
+            generators, so on a thread executor seeded batches build one at a time;
+            ``False`` lets threads overlap (``sample_rng()`` stays seeded per sample).
         trace: write a Chrome trace-event file here when the loader closes (see
             :meth:`tracing` to trace a part of a run).
     """

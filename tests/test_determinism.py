@@ -75,6 +75,69 @@ def test_sample_rng_outside_a_loader_follows_numpy_seed() -> None:
     assert np.array_equal(a, b)
 
 
+class _InterleavedDraws(RangeDataset):
+    """Draws from the global generators, yielding the GIL between draws, so that
+    threads building batches at once would interleave on the shared generators."""
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
+        import random
+        import time
+
+        a = random.random()
+        time.sleep(0.001)  # not synchronisation: it lets other threads run in between
+        return np.array([a, np.random.rand()]), i
+
+
+def test_thread_executor_keeps_global_generators_per_sample(collect: Any) -> None:
+    """Four threads build batches at once; each sample's draws from ``random`` and
+    numpy's global generator still equal a single-threaded run's."""
+    import concurrent.futures as cf
+
+    with aioloader.DataLoader(_InterleavedDraws(48), 4, shuffle=True, seed=5, num_workers=0) as loader:
+        want = by_index(list(loader))
+    with cf.ThreadPoolExecutor(4) as ex:
+        with aioloader.DataLoader(_InterleavedDraws(48), 4, shuffle=True, seed=5, executor=ex) as loader:
+            got = by_index(collect(loader))
+    assert got == want
+
+
+_BARRIERS: dict[str, Any] = {}
+
+
+class _MeetInPairs(RangeDataset):
+    """Samples 0 and 1 each wait until the other is being loaded too (they are in
+    different batches), which only threads loading in parallel can satisfy."""
+
+    def __init__(self, n: int, key: str) -> None:
+        super().__init__(n)
+        self.key = key  # the dataset reaches the threads as a copy; the barrier stays here
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
+        if i < 2:
+            _BARRIERS[self.key].wait()
+        return np.array([aioloader.sample_rng().random()]), i
+
+
+def test_unseeded_threads_load_in_parallel_and_sample_rng_stays_per_sample(collect: Any) -> None:
+    """``seed_samples=False`` leaves the global generators alone, so threads need no
+    turn-taking; ``sample_rng()`` is still a function of the sample."""
+    import concurrent.futures as cf
+    import threading
+
+    # (no next-epoch start: its samples 0 and 1 would wait at a barrier no one else reaches)
+    opts: dict[str, Any] = {"batch_size": 1, "seed": 2, "seed_samples": False, "prefetch_next_epoch": False}
+    runs = []
+    try:
+        with cf.ThreadPoolExecutor(2) as ex:
+            for run in ("first", "second"):
+                _BARRIERS[run] = threading.Barrier(2, timeout=30)
+                with aioloader.DataLoader(_MeetInPairs(6, run), executor=ex, **opts) as loader:
+                    runs.append(by_index(collect(loader)))
+    finally:
+        _BARRIERS.clear()
+    assert runs[0] == runs[1] and len(set(runs[0].values())) == 6
+
+
 def test_num_workers_zero_does_not_disturb_callers_global_rng() -> None:
     import random
 
