@@ -200,7 +200,7 @@ class WorkerPool:
             _preload_forkserver(ctx)
         n = self.num_workers
         table = ctx.RawArray("q", 3 * n)
-        lock = ctx.Lock()
+        lock = _slot_lock(ctx)
         counter = ctx.RawValue("i", 0)
         pex = cf.ProcessPoolExecutor(
             max_workers=n,
@@ -416,6 +416,20 @@ def _retire_all_at_exit() -> None:
 threading._register_atexit(_retire_all_at_exit)  # type: ignore[attr-defined]
 
 _preload_lock = threading.Lock()
+_slot_locks: dict[str, Any] = {}
+
+
+def _slot_lock(ctx: Any) -> Any:
+    """The lock workers take to claim a slot of their generation's table: one per start
+    method for the whole process, not one per generation. (A multiprocessing lock that the
+    garbage collector finalizes while this thread talks to the resource tracker makes
+    CPython 3.12's tracker raise ``ReentrantCallError`` and keep descriptors.)"""
+    method = ctx.get_start_method()
+    with _preload_lock:
+        lock = _slot_locks.get(method)
+        if lock is None:
+            lock = _slot_locks[method] = ctx.Lock()
+        return lock
 
 
 def _preload_forkserver(ctx: BaseContext) -> None:

@@ -407,8 +407,9 @@ def test_every_error_class_pickles() -> None:
 # ----------------------------------------------------------------------------- no leaks
 @pytest.mark.skipif(
     sys.version_info[:2] == (3, 12),
-    reason="on CPython 3.12.1 the resource tracker raises ReentrantCallError when the pool's "
-    "multiprocessing lock is finalized by the GC, and keeps descriptors; known debt, see the closing note",
+    reason="on CPython 3.12.1 the resource tracker can raise ReentrantCallError when the garbage "
+    "collector finalizes an executor's multiprocessing lock mid-call (intermittent), and keeps "
+    "descriptors; known debt, see the closing note",
 )
 def test_two_hundred_lifecycles_leak_nothing(tmp_path: Path) -> None:
     fds0 = len(os.listdir("/proc/self/fd"))
