@@ -126,3 +126,21 @@ def test_tests_collect_from_the_unpacked_sdist(built: tuple[list[str], Path, Pat
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "test_packaging.py" in proc.stdout and "test_core.py" in proc.stdout
+
+
+def test_benchmark_suite_installs_nothing_when_torch_is_missing(tmp_path: Path) -> None:
+    """The benchmark once ran ``pip install torch`` by itself; now it says what to install
+    and stops (torch is hidden from the child; pip is made to fail loudly if called)."""
+    bench = ROOT / "examples" / "benchmarks" / "bench_suite.py"
+    code = (
+        "import subprocess, sys, runpy\n"
+        "sys.modules['torch'] = None\n"
+        "def no_pip(*a, **k): raise SystemExit('PIP WAS CALLED')\n"
+        "subprocess.run = subprocess.check_call = no_pip\n"
+        f"sys.argv = [{str(bench)!r}, '--quick']\n"
+        f"runpy.run_path({str(bench)!r}, run_name='__main__')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "PIP WAS CALLED" not in proc.stderr
+    assert "torch is not installed" in proc.stderr and 'pip install -e ".[dev]"' in proc.stderr

@@ -273,16 +273,13 @@ def child_main(spec: dict[str, Any]) -> int:
 # -------------------------------------------------------------------------- parent side
 
 
-def ensure_torch() -> None:
-    if importlib.util.find_spec("torch") is not None:
-        return
-    cmd = [sys.executable, "-m", "pip", "install", "torch==2.13.0"]
-    print(f"torch is not installed; the comparison needs it. Running: {' '.join(cmd)}", flush=True)
-    try:
-        subprocess.run(cmd, check=True)
-    except (OSError, subprocess.CalledProcessError) as exc:
-        sys.exit(f"could not install torch ({exc}); install it with: {' '.join(cmd)}")
-    importlib.invalidate_caches()
+def require_torch() -> None:
+    """The comparison needs torch; say how to get it rather than installing anything."""
+    if importlib.util.find_spec("torch") is None:
+        sys.exit(
+            "torch is not installed, and this benchmark compares against torch's DataLoader. "
+            'Install the dev extra (pip install -e ".[dev]", which pins torch==2.13.0) and rerun.'
+        )
 
 
 def run_child(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
@@ -562,7 +559,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child is not None:
         return child_main(json.loads(args.child))
 
-    ensure_torch()
+    require_torch()
     from aioloader._formats.synthetic import default_cache, make_synthetic_jpegs
 
     reps = args.reps or (2 if args.quick else 3)
