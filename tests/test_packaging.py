@@ -143,4 +143,4 @@ def test_benchmark_suite_installs_nothing_when_torch_is_missing(tmp_path: Path) 
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert proc.returncode != 0
     assert "PIP WAS CALLED" not in proc.stderr
-    assert "torch is not installed" in proc.stderr and 'pip install -e ".[dev]"' in proc.stderr
+    assert "torch is not installed" in proc.stderr and '".[dev]"' in proc.stderr

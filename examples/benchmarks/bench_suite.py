@@ -278,7 +278,7 @@ def require_torch() -> None:
     if importlib.util.find_spec("torch") is None:
         sys.exit(
             "torch is not installed, and this benchmark compares against torch's DataLoader. "
-            'Install the dev extra (pip install -e ".[dev]", which pins torch==2.13.0) and rerun.'
+            'Install the bench or dev extra (pip install -e ".[bench]" or ".[dev]", both pin torch==2.13.0) and rerun.'
         )
 
 
