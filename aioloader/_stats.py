@@ -9,13 +9,27 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
 from ._trace import Tracer
 
-__all__ = ["EpochStats", "LoaderStats", "Recorder"]
+__all__ = ["EpochStats", "LoaderStats", "Recorder", "fmt_ms", "fmt_share"]
+
+
+def fmt_ms(*seconds: float | None) -> str:
+    """Durations in milliseconds joined by `` / ``, ``-`` for an unknown one (for ``__str__``)."""
+    return " / ".join("-" if v is None else f"{v * 1e3:.2f}" for v in seconds)
+
+
+def fmt_share(share: float | None) -> str:
+    """A fraction as a whole percentage, ``-`` when unknown (for ``__str__``)."""
+    return "-" if share is None else f"{share:.0%}"
+
+
+def _rate(count: int, seconds: float) -> str:
+    return f"{count / seconds:,.1f}" if seconds > 0 else "-"
 
 
 @dataclass(frozen=True)
@@ -58,6 +72,49 @@ class LoaderStats:
     """Times the pool was rebuilt after a crash or a timeout."""
     skipped: int
     """Samples dropped by ``on_error="skip"``."""
+    active_s: float = 0.0
+    """Seconds spent iterating: from the start of each epoch to its latest batch, with
+    overlapping epochs counted once (the time between epochs is left out)."""
+
+    @property
+    def batches_per_s(self) -> float | None:
+        """Batches delivered per second of :attr:`active_s` (None before any)."""
+        return self.batches / self.active_s if self.active_s > 0 else None
+
+    @property
+    def samples_per_s(self) -> float | None:
+        """Samples delivered per second of :attr:`active_s` (None before any)."""
+        return self.samples / self.active_s if self.active_s > 0 else None
+
+    def __str__(self) -> str:
+        """A summary of a few lines for a person (``print(loader.stats())``)."""
+        shown = self.epochs[-_FIRSTS_SHOWN:]
+        firsts = ", ".join(f"{e.epoch}: {fmt_ms(e.first_batch_s)}" for e in shown) or "-"
+        if len(self.epochs) > len(shown):
+            firsts += f"  (last {len(shown)} of {len(self.epochs)} epochs)"
+        stall = min(1.0, self.stall_s / self.active_s) if self.active_s > 0 else None
+        return (
+            f"Loader: {self.batches} batches, {self.samples} samples, {len(self.epochs)} epochs, "
+            f"{self.active_s:.2f} s iterating; now {self.in_flight} in flight\n"
+            f"  throughput: {_rate(self.batches, self.active_s)} batches/s, "
+            f"{_rate(self.samples, self.active_s)} samples/s\n"
+            f"  consumer stalled: {fmt_share(stall)} of the time ({self.stall_s:.2f} s)\n"
+            f"  first batch ms by epoch: {firsts}\n"
+            f"  batch latency ms p50/p99: {fmt_ms(self.latency_p50_s, self.latency_p99_s)}\n"
+            f"  workers busy: {fmt_share(self.worker_busy)}\n"
+            f"  retries {self.retries}, pool restarts {self.restarts}, skipped samples {self.skipped}"
+        )
+
+    def __repr__(self) -> str:
+        # up to 1,000 epochs: show the first and the last, count the rest
+        eps = [repr(e) for e in self.epochs]
+        if len(eps) > 3:
+            eps = [eps[0], f"<{len(eps) - 2} more>", eps[-1]]
+        body = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.name != "epochs")
+        return f"LoaderStats({body}, epochs=({', '.join(eps)}))"
+
+
+_FIRSTS_SHOWN = 5
 
 
 @dataclass
@@ -67,6 +124,7 @@ class _Epoch:
     batches: int = 0
     stall_ns: int = 0
     first_ns: int | None = None
+    last_ns: int | None = None
 
 
 @dataclass
@@ -114,6 +172,7 @@ class Recorder:
         ep.stall_ns += waited_ns
         if ep.first_ns is None:
             ep.first_ns = now - ep.started_ns
+        ep.last_ns = now
         if self.tracer is not None:
             self.tracer.span(f"wait (epoch {ep.epoch})", os.getpid(), "consumer", now - waited_ns, now)
 
@@ -132,6 +191,7 @@ class Recorder:
             for e in list(self.epochs)
         )
         return LoaderStats(
+            active_s=_active_ns(list(self.epochs)) / 1e9,
             batches=self.batches,
             samples=self.samples,
             stall_s=self.stall_ns / 1e9,
@@ -144,3 +204,17 @@ class Recorder:
             restarts=restarts,
             skipped=self.skipped,
         )
+
+
+def _active_ns(epochs: list[_Epoch]) -> int:
+    # the union of the epochs' [start, latest batch] intervals (with prefetch_next_epoch
+    # an epoch starts before the one before it has ended)
+    total, reach = 0, 0
+    for e in sorted(epochs, key=lambda e: e.started_ns):
+        if e.last_ns is None:
+            continue
+        start = max(e.started_ns, reach)
+        if e.last_ns > start:
+            total += e.last_ns - start
+            reach = e.last_ns
+    return total

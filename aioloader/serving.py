@@ -36,7 +36,7 @@ from ._engine.run import Run, RunConfig
 from ._facade import LoaderBase
 from ._pool import WorkerPool
 from ._serve_worker import PerBatch, PerItem
-from ._stats import Recorder
+from ._stats import Recorder, fmt_ms
 from ._stream_worker import StreamContext
 from ._types import Batch
 from ._validate import check_bool, check_int, check_seconds
@@ -79,17 +79,14 @@ class BatcherStats:
     """Times the pool was rebuilt."""
 
     def __str__(self) -> str:
-        def ms(t: tuple[float | None, ...]) -> str:
-            return " / ".join("-" if v is None else f"{v * 1e3:.2f}" for v in t)
-
         sizes = ", ".join(f"{k}x{v}" for k, v in sorted(self.batch_sizes.items())) or "-"
         return (
             f"Batcher: {self.submitted} submitted, {self.completed} completed, {self.failed} failed, "
             f"{self.rejected} rejected, {self.expired} expired, cancelled {self.cancelled_before_dispatch} "
             f"queued / {self.cancelled_after_dispatch} running; now {self.waiting} waiting, "
             f"{self.in_flight} in flight\n"
-            f"  queue wait ms p50/p99/max: {ms(self.queue_wait_s)}\n"
-            f"  service ms p50/p99/max:    {ms(self.service_s)}\n"
+            f"  queue wait ms p50/p99/max: {fmt_ms(*self.queue_wait_s)}\n"
+            f"  service ms p50/p99/max:    {fmt_ms(*self.service_s)}\n"
             f"  micro-batch sizes (size x count): {sizes}\n"
             f"  retries {self.retries}, pool restarts {self.restarts}"
         )
