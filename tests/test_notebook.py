@@ -38,10 +38,16 @@ SCRIPT = textwrap.dedent(
         def __getitem__(self, i):
             return Pair(i, i * i)
 
+    def squares_only(batch):
+        return [p.sq for p in batch]
+
     def shifted(offset):
         return lambda batch: [p.sq + offset for p in batch]
 
     out = {}
+    # Plain pickle takes these (by reference to __main__), but workers lack __main__'s names.
+    with aioloader.DataLoader(Squares(), batch_size=5, num_workers=2, collate_fn=squares_only) as dl:
+        out["by name"] = list(dl)
     with aioloader.DataLoader(Squares(), batch_size=4, num_workers=2, collate_fn=shifted(100)) as dl:
         out["for"] = list(dl)
         async def consume():
@@ -60,6 +66,7 @@ SCRIPT = textwrap.dedent(
 )
 
 EXPECTED = {
+    "by name": [[0, 1, 4, 9, 16], [25, 36, 49, 64, 81]],
     "for": [[100, 101, 104, 109], [116, 125, 136, 149], [164, 181]],
     "async for": [[100, 101, 104, 109], [116, 125, 136, 149], [164, 181]],
     "pairs": [[i, i * i] for i in range(10)],
@@ -128,7 +135,7 @@ def test_a_worker_that_cannot_unpickle_its_payload_says_why(face: str) -> None:
 # ------------------------------------------------------------------- a real Jupyter kernel
 
 CELLS = [
-    # 1: a dataset class and a lambda, defined in the notebook
+    # 1: a dataset class defined in the notebook, the default collate
     """
     import asyncio, aioloader
     class Squares:
@@ -136,8 +143,9 @@ CELLS = [
             return 10
         def __getitem__(self, i):
             return i * i
+    with aioloader.DataLoader(Squares(), batch_size=4, num_workers=2) as plain:
+        print("FOR", [b.tolist() for b in plain])
     dl = aioloader.DataLoader(Squares(), batch_size=4, num_workers=2, collate_fn=lambda b: [x + 1 for x in b])
-    print("FOR", [b for b in dl])
     """,
     # 2: top-level await on the kernel's own loop, which keeps running other tasks meanwhile
     """
@@ -191,6 +199,6 @@ def test_jupyter_kernel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=False)
-    assert "FOR [[1, 2, 5, 10], [17, 26, 37, 50], [65, 82]]" in outputs[0], outputs
+    assert "FOR [[0, 1, 4, 9], [16, 25, 36, 49], [64, 81]]" in outputs[0], outputs
     assert "ASYNC [[1, 2, 5, 10], [17, 26, 37, 50], [65, 82]] other task ran" in outputs[1], outputs
     assert "CLOSED True" in outputs[2], outputs
