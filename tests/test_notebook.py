@@ -61,6 +61,10 @@ SCRIPT = textwrap.dedent(
     with aioloader.StreamLoader(range(7), lambda x: -x, batch_size=3, num_workers=2,
                                 collate_fn=list) as stream:
         out["stream"] = list(stream)
+    async def serve():
+        async with aioloader.Batcher(lambda x: Pair(x, x * 3), batch_size=4, num_workers=2) as batcher:
+            return [p.sq for p in await batcher.submit_many([1, 2, 3])]
+    out["batcher"] = asyncio.run(serve())
     print("RESULT " + json.dumps(out))
     """
 )
@@ -72,6 +76,7 @@ EXPECTED = {
     "pairs": [[i, i * i] for i in range(10)],
     "same class": True,
     "stream": [[0, -1, -2], [-3, -4, -5], [-6]],
+    "batcher": [3, 6, 9],
 }
 
 
@@ -173,12 +178,12 @@ def _kernelspec(tmp_path: Path) -> Path:
 
 
 def test_jupyter_kernel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    pytest.importorskip("ipykernel")
-    manager = pytest.importorskip("jupyter_client.manager")
     monkeypatch.setenv("JUPYTER_PATH", str(_kernelspec(tmp_path)))
     monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "runtime"))
     monkeypatch.setenv("JUPYTER_PLATFORM_DIRS", "1")
     monkeypatch.setenv("IPYTHONDIR", str(tmp_path / "ipython"))
+    pytest.importorskip("ipykernel")  # both come with the test extra
+    manager = pytest.importorskip("jupyter_client.manager")
     env = {**_env(), "JUPYTER_PATH": str(tmp_path / "jupyter"), "IPYTHONDIR": str(tmp_path / "ipython")}
     km, kc = manager.start_new_kernel(kernel_name="aioloader-test", startup_timeout=60, env=env, cwd=str(tmp_path))
     outputs: list[str] = []
