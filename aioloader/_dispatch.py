@@ -121,8 +121,8 @@ class Dispatcher:
                             how = (
                                 f"the culprit could not be told apart; dead workers' exit codes: {codes or 'unknown'}."
                                 " Workers that die before running any task usually cannot import the main"
-                                " module or the dataset's module (run from a file, not stdin; guard the"
-                                " entry point with if __name__ == '__main__')"
+                                " script or the dataset's module (guard a script's entry point with"
+                                " if __name__ == '__main__'); their traceback is on stderr"
                             )
                         raise WorkerCrashedError(
                             f"{label} (sample indices {_short(indices)}) was lost to a dying worker "

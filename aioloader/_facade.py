@@ -31,7 +31,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from multiprocessing.context import BaseContext
 from typing import Any, ClassVar, Protocol, TypeVar
 
-from . import _worker
+from . import _byvalue, _worker
 from ._engine.run import Run, closed_while_iterating
 from ._pool import WorkerPool
 from ._portal import Portal
@@ -76,20 +76,34 @@ class Shared:
 
 def pickle_for_workers(whole: object, parts: Sequence[tuple[str, object]], owner: str) -> bytes:
     """Pickle ``whole`` once for the workers; if that fails, find the culprit among
-    ``parts`` and raise :class:`DatasetPickleError` naming it and the fix."""
+    ``parts`` and raise :class:`DatasetPickleError` naming it and the fix.
+
+    Importable objects go by reference (plain pickle). What a worker could not import
+    goes by value, through cloudpickle: lambdas, local functions and classes, and
+    anything defined in an interactive ``__main__`` (a notebook cell, ``python -``,
+    ``python -c``), which worker processes do not have.
+    """
     try:
-        return pickle.dumps(whole, protocol=pickle.HIGHEST_PROTOCOL)
+        data = pickle.dumps(whole, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:
+        pass
+    else:
+        # A reference to ``__main__`` names the module in the pickle; a false positive
+        # (that string inside the data) only costs a by-value pickle.
+        if not (b"__main__" in data and _byvalue.main_is_interactive()):
+            return data
+    try:
+        return _byvalue.dumps_by_value(whole)
     except Exception as exc:
         for name, obj in parts:
             try:
-                pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+                _byvalue.dumps_by_value(obj)
             except Exception as inner:
                 raise DatasetPickleError(
                     f"the {owner}'s {name} ({type(obj).__name__}: {obj!r:.80}) cannot be pickled, so it "
-                    f"cannot reach the worker processes: {type(inner).__name__}: {inner}. Define it at "
-                    "module level (not a lambda, local function or class defined inside a function), "
-                    "drop unpicklable members (open files, locks, sockets) or reopen them lazily, or "
-                    "use num_workers=0."
+                    f"cannot reach the worker processes: {type(inner).__name__}: {inner}. "
+                    "Drop unpicklable members (open files, locks, sockets) or reopen them lazily in "
+                    "the worker, or use num_workers=0."
                 ) from inner
         raise DatasetPickleError(f"the {owner}'s worker context cannot be pickled: {exc}") from exc
 

@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from . import _worker
+from . import _byvalue, _worker
 from .errors import LoaderClosedError, PoolBrokenError
 
 __all__ = ["CrashInfo", "Generation", "WorkerPool", "default_mp_context"]
@@ -196,6 +196,8 @@ class WorkerPool:
             return Generation(self._gen_count, ex, started=True)
         ctx = self._context
         assert ctx is not None
+        if ctx.get_start_method() != "fork":
+            _byvalue.drop_fake_main_file()
         if ctx.get_start_method() == "forkserver":
             _preload_forkserver(ctx)
         n = self.num_workers

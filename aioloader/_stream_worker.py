@@ -62,6 +62,7 @@ def _context(task: StreamTask) -> StreamContext | None:
     payload = task.payload
     if isinstance(payload, StreamContext):
         return payload
+    _worker.check_loaded(task.token)
     ctx = _worker._contexts.get(task.token)
     if ctx is None:
         if payload is None:

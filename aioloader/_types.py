@@ -40,7 +40,7 @@ class Sampler(Protocol):
 
 class CollateFn(Protocol):
     """Turns the list of a batch's samples into one batch; runs in a worker (with
-    workers it must pickle: a module-level function or a picklable object)."""
+    workers it must pickle; a lambda or closure does, by value)."""
 
     def __call__(self, samples: list[Any], /) -> Any: ...
 

@@ -31,8 +31,8 @@ from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
-from . import _seeding
-from .errors import CollateError, RemoteError
+from . import _byvalue, _seeding
+from .errors import CollateError, DatasetPickleError, RemoteError
 
 __all__ = [
     "NEED_PAYLOAD",
@@ -149,12 +149,27 @@ def install_context(token: str, ctx: WorkerContext) -> None:
 def forget_context(token: str) -> None:
     with _contexts_lock:
         _contexts.pop(token, None)
+    _load_errors.pop(token, None)
+
+
+# Tokens whose payload this worker's initializer could not unpickle, with the reason:
+# each task of that loader raises it (a failing initializer would instead break the pool,
+# and every batch would look lost to a dying worker).
+_load_errors: dict[str, BaseException] = {}
 
 
 def _load_payload(token: str, payload: bytes) -> WorkerContext:
-    ctx: WorkerContext = pickle.loads(payload)
+    """Unpickle and install a payload; raises :class:`DatasetPickleError` if it cannot."""
+    ctx: WorkerContext = _byvalue.loads_payload(payload)
     install_context(token, ctx)
     return ctx
+
+
+def check_loaded(token: str) -> None:
+    """Raise the error that kept this worker from unpickling ``token``'s payload, if any."""
+    exc = _load_errors.get(token)
+    if exc is not None:
+        raise _byvalue.unpickle_error(exc) from exc
 
 
 def _run_init(ctx: WorkerContext) -> None:
@@ -250,7 +265,12 @@ def pool_initializer(
         else:  # more processes than slots (never with a fixed-size pool): run untracked
             _slot = -1
     for token, payload in payloads.items():
-        _run_init(_load_payload(token, payload))
+        try:
+            ctx = _load_payload(token, payload)
+        except DatasetPickleError as exc:
+            _load_errors[token] = exc.__cause__ or exc
+            continue
+        _run_init(ctx)
 
 
 def _portable(exc: BaseException, ctx: WorkerContext) -> BaseException:
@@ -312,6 +332,7 @@ def _mark_end(task_id: int) -> None:
 
 def run_batch(task: BatchTask) -> BatchResult | str:
     """Fetch and collate one batch. The function every executor runs."""
+    check_loaded(task.token)
     ctx = _contexts.get(task.token)
     if ctx is None:
         if task.payload is None:

@@ -54,7 +54,7 @@ class StreamLoader(IterableLoader, Generic[Batch]):
             loop that feeds it. Sources may be infinite.
         fn: applied in the pool to each item (``fn(item)``), or to the list of a
             micro-batch's items with ``batched_fn=True``. ``None``: items are collated
-            as they are. With workers it must pickle (a module-level function).
+            as they are. With workers it must pickle (lambdas and closures do, by value).
         batch_size: most items in a batch.
         max_latency: emit a partial batch once this many seconds have passed since it
             received its first item. ``None``: wait for full batches. Either way the last

@@ -1,0 +1,119 @@
+"""Payloads sent by value: what a worker process could not import by name.
+
+Plain pickle sends classes and functions by reference (module and name), and a worker
+imports them. That fails for lambdas, local functions and classes, and for anything
+defined in an interactive ``__main__`` (a notebook cell, ``python -``, ``python -c``):
+a worker's ``__main__`` is a bare module that never ran those cells. For such payloads
+the consumer uses cloudpickle, which carries the code itself; the worker needs only
+plain ``pickle.loads`` (cloudpickle must be importable there, which a dependency
+guarantees).
+
+A by-value payload is a :class:`ByValue` envelope: the context, and the top-level
+``__main__`` classes and functions it uses. The worker binds those names in its own
+``__main__``, so a sample or batch holding an instance of a notebook-defined class
+pickles back by reference and arrives as the consumer's own class.
+
+Unpickling a payload in a worker either gives the context or raises
+:class:`~aioloader.DatasetPickleError` carrying the worker's own exception.
+
+This module never imports asyncio.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import sys
+import traceback
+import types
+from typing import Any, NamedTuple
+
+from .errors import DatasetPickleError
+
+__all__ = ["ByValue", "drop_fake_main_file", "dumps_by_value", "loads_payload", "main_is_interactive"]
+
+
+class ByValue(NamedTuple):
+    context: Any
+    main_objects: dict[str, Any]  # qualified name in __main__ -> class or function
+
+
+# Names this worker bound in its __main__ (a later loader may rebind them, as a notebook
+# re-running a cell does; names the worker's __main__ had of its own are left alone).
+_bound: set[str] = set()
+
+
+def main_is_interactive() -> bool:
+    """Is ``__main__`` a module that worker processes cannot re-create? (They re-run a
+    main script from its file; a notebook, ``python -c`` or ``python -`` has none.)"""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    return not (isinstance(path, str) and os.path.isfile(path))
+
+
+def drop_fake_main_file() -> None:
+    """``python -`` names its main module's file ``<stdin>``; multiprocessing would make
+    every spawn or forkserver worker re-run that "file" and die before its initializer.
+    Without the name, workers start with a bare ``__main__``, which by-value payloads
+    handle."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if (
+        isinstance(path, str)
+        and path.startswith("<")
+        and path.endswith(">")
+        and getattr(main, "__spec__", None) is None
+        and not os.path.exists(path)
+    ):
+        del main.__file__  # type: ignore[union-attr]
+
+
+def dumps_by_value(obj: object) -> bytes:
+    """cloudpickle ``obj`` into a :class:`ByValue` envelope (consumer side)."""
+    import cloudpickle
+
+    main = sys.modules.get("__main__")
+    found: dict[str, Any] = {}
+
+    class _Recording(cloudpickle.Pickler):  # type: ignore[misc]
+        def reducer_override(self, o: Any) -> Any:
+            if isinstance(o, (type, types.FunctionType)) and getattr(o, "__module__", None) == "__main__":
+                name = getattr(o, "__qualname__", "")
+                if "." not in name and getattr(main, name, None) is o:
+                    found[name] = o
+            return super().reducer_override(o)
+
+    buf = io.BytesIO()
+    # The envelope's dict is pickled after the context, so it holds what the context used.
+    _Recording(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(ByValue(obj, found))
+    return buf.getvalue()
+
+
+def loads_payload(payload: bytes) -> Any:
+    """Unpickle a payload in a worker; a failure becomes a :class:`DatasetPickleError`
+    whose message, ``remote_traceback`` and ``__cause__`` carry the worker's exception."""
+    try:
+        obj = pickle.loads(payload)
+    except Exception as exc:
+        raise unpickle_error(exc) from exc
+    if isinstance(obj, ByValue):
+        main = sys.modules.get("__main__")
+        if main is not None:
+            for name, value in obj.main_objects.items():
+                if name in _bound or not hasattr(main, name):
+                    setattr(main, name, value)
+                    _bound.add(name)
+        obj = obj.context
+    return obj
+
+
+def unpickle_error(exc: BaseException) -> DatasetPickleError:
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return DatasetPickleError(
+        f"a worker process (pid {os.getpid()}) could not unpickle the loader's dataset, collate_fn "
+        f"or fn: {type(exc).__name__}: {exc}. Objects defined in an importable module must be "
+        "importable in the workers too (same sys.path, same installed packages); the worker's "
+        "traceback is in .remote_traceback",
+        remote_traceback=tb,
+    )
