@@ -21,6 +21,7 @@ This module never imports asyncio.
 
 from __future__ import annotations
 
+import importlib
 import io
 import os
 import pickle
@@ -71,7 +72,9 @@ def drop_fake_main_file() -> None:
 
 def dumps_by_value(obj: object) -> bytes:
     """cloudpickle ``obj`` into a :class:`ByValue` envelope (consumer side)."""
-    import cloudpickle
+    # Imported by name: cloudpickle has no type information, and users' own strict mypy
+    # runs must not trip over this module.
+    cloudpickle: Any = importlib.import_module("cloudpickle")
 
     main = sys.modules.get("__main__")
     found: dict[str, Any] = {}

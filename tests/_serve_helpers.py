@@ -30,6 +30,18 @@ def held(item: Any) -> Any:
     return item
 
 
+class HoldsALock:
+    """A callable that cannot be pickled, even by value (it holds a lock)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.lock = threading.Lock()
+
+    def __call__(self, x: Any) -> Any:
+        return x
+
+
 def square(x: int) -> int:
     if x < 0:
         raise ValueError(f"negative input {x}")

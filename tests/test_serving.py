@@ -182,7 +182,7 @@ def test_bad_arguments_name_the_parameter() -> None:
     with pytest.raises(ValueError, match="max_latency"):
         Batcher(H.square, max_latency=-1)
     with pytest.raises(aioloader.DatasetPickleError, match="fn"):
-        Batcher(lambda x: x, num_workers=1)
+        Batcher(H.HoldsALock(), num_workers=1)  # (a lambda travels by value)
 
 
 def test_new_errors_pickle_whole() -> None:

@@ -361,9 +361,19 @@ def test_unpicklable_exception_becomes_remote_error() -> None:
     assert "stream item 2" in _notes(info.value)
 
 
+class _HoldsALock:
+    """A callable that cannot be pickled, even by value (it holds a lock)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+
+    def __call__(self, x: Any) -> Any:
+        return x
+
+
 def test_unpicklable_fn_is_refused_at_construction() -> None:
     with pytest.raises(DatasetPickleError, match="fn"):
-        StreamLoader(range(3), lambda x: x, num_workers=1)
+        StreamLoader(range(3), _HoldsALock(), num_workers=1)  # (a lambda travels by value)
     # Thread mode does not pickle.
     with StreamLoader(range(3), lambda x: x + 1, batch_size=3) as stream:
         assert drive("for", stream)[0].tolist() == [1, 2, 3]
