@@ -8,6 +8,7 @@ argument needs it, so a loader that uses none of them never imports torch.
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import sys
 import warnings
 from collections.abc import Callable
@@ -122,6 +123,12 @@ def resolve_torch_args(
             raise TypeError(
                 "multiprocessing_context must be a start method name or a multiprocessing context, "
                 f"got {multiprocessing_context!r}"
+            )
+        methods = mp.get_all_start_methods()
+        if isinstance(multiprocessing_context, str) and multiprocessing_context not in methods:
+            raise ValueError(
+                f"multiprocessing_context: unknown start method {multiprocessing_context!r}; "
+                f"this platform has {methods}"
             )
         mp_context = multiprocessing_context
     if generator is not None:

@@ -67,7 +67,8 @@ class DataLoader(IterableLoader, Generic[Batch]):
         prefetch: most batches submitted, running or waiting for the consumer at once
             (default ``2 * num_workers``, at least 2).
         timeout: seconds a batch may take from the moment a worker starts it; on expiry
-            :class:`~aioloader.LoaderTimeout` is raised and the worker is killed.
+            :class:`~aioloader.LoaderTimeout` is raised and the worker is killed. ``None``
+            or ``0`` (torch's default) means no timeout.
         worker_init_fn: called once in each worker with the worker's id.
         mp_context: start method name or context (default ``forkserver``, else ``spawn``).
         seed: seeds the shuffle and every sample's randomness; ``None`` draws one
@@ -179,6 +180,8 @@ class DataLoader(IterableLoader, Generic[Batch]):
             raise TypeError(f"collate_fn must be callable, got {collate_fn!r}")
         if worker_init_fn is not None and not callable(worker_init_fn):
             raise TypeError(f"worker_init_fn must be callable, got {worker_init_fn!r}")
+        if type(timeout) in (int, float) and timeout == 0:
+            timeout = None  # torch's default, 0, means no timeout
         timeout = check_seconds("timeout", timeout, allow_zero=False)
         if seed is not None:
             seed = check_int("seed", seed, 0)
