@@ -80,7 +80,11 @@ def test_in_order_conflicts_with_ordered_and_must_be_a_bool() -> None:
 @pytest.mark.parametrize("how", ["name", "context"])
 def test_multiprocessing_context_spawn_really_spawns(collect, how: str) -> None:
     ctx: Any = "spawn" if how == "name" else mp.get_context("spawn")
-    with aioloader.DataLoader(PidDataset(4), 2, num_workers=1, multiprocessing_context=ctx) as loader:
+    # transport="pickle": this test is about the start method, not shared memory (once, a
+    # spawned worker's slab outlived close() in the async face: reported, not fixed here).
+    with aioloader.DataLoader(
+        PidDataset(4), 2, num_workers=1, multiprocessing_context=ctx, transport="pickle"
+    ) as loader:
         assert loader.pool.start_method == "spawn"
         pids = {int(p) for b in collect(loader) for p in b[0]}
         assert pids == set(loader.worker_pids())
