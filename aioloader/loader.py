@@ -159,19 +159,11 @@ class DataLoader(IterableLoader, Generic[Batch]):
         batch_size = check_int("batch_size", batch_size, 1)
         shuffle = check_bool("shuffle", shuffle)
         torch_args = resolve_torch_args(
-            num_workers=num_workers,
-            prefetch=prefetch,
-            prefetch_factor=prefetch_factor,
-            ordered=ordered,
-            in_order=in_order,
-            mp_context=mp_context,
-            multiprocessing_context=multiprocessing_context,
-            seed=seed,
-            generator=generator,
-            persistent_workers=persistent_workers,
-            pin_memory=pin_memory,
-            pin_memory_device=pin_memory_device,
-        )
+            num_workers=num_workers, prefetch=prefetch, prefetch_factor=prefetch_factor,
+            ordered=ordered, in_order=in_order, seed=seed, generator=generator,
+            mp_context=mp_context, multiprocessing_context=multiprocessing_context,
+            persistent_workers=persistent_workers, pin_memory=pin_memory, pin_memory_device=pin_memory_device,
+        )  # fmt: skip
         seed = torch_args.seed
         prefetch_next_epoch = check_bool("prefetch_next_epoch", prefetch_next_epoch)
         seed_samples = check_bool("seed_samples", seed_samples)

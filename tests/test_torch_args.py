@@ -278,3 +278,37 @@ def test_a_state_between_epochs_reads_the_length_again() -> None:
         loader.load_state_dict(state)
         got = ids_of(list(loader))
     assert sorted(flat(got)) == list(range(5))
+
+
+class DictSamples(RangeDataset):
+    """Samples that are dicts holding a tensor and a numpy array."""
+
+    def __getitem__(self, i: int) -> Any:
+        import torch
+
+        return {"t": torch.full((2,), float(i)), "a": np.full(2, i), "i": i}
+
+
+@pytest.mark.torch
+def test_pin_memory_reaches_every_tensor_of_a_batch(collect, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Without CUDA here, a stand-in for Tensor.pin_memory that marks its result shows that
+    # every tensor of every batch, and nothing else, passes through it in both faces.
+    import torch
+
+    calls: list[str] = []
+
+    def fake_pin(self: Any, *device: str) -> Any:
+        calls.append(device[0] if device else "")
+        out = self.clone()
+        out.pinned_by_test = True
+        return out
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", fake_pin)
+    with aioloader.DataLoader(DictSamples(5), 2, pin_memory=True, pin_memory_device="cuda:0") as loader:
+        got = collect(loader)
+    assert [b["i"].tolist() for b in got] == [[0, 1], [2, 3], [4]]
+    assert all(getattr(b["t"], "pinned_by_test", False) for b in got)
+    assert all(isinstance(b["a"], np.ndarray) for b in got)
+    assert calls == ["cuda:0"] * 3
+    assert aioloader._torch_compat.pin_tensors((torch.zeros(1), [torch.ones(1)], "x"), "")[1][0].pinned_by_test
