@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
-__all__ = ["check_bool", "check_choice", "check_int", "check_seconds"]
+__all__ = ["check_bool", "check_choice", "check_int", "check_sampling", "check_seconds", "check_shard"]
 
 
 def check_int(name: str, value: Any, minimum: int) -> int:
@@ -41,3 +41,56 @@ def check_seconds(name: str, value: Any, *, allow_zero: bool) -> float | None:
         bound = ">= 0" if allow_zero else "> 0"
         raise ValueError(f"{name} must be a finite number of seconds {bound}, or None; got {value!r}")
     return float(value)
+
+
+def check_sampling(
+    batch_size_given: bool, shuffle: bool, sampler: Any, batch_sampler: Any, last_batch: Any, drop_last: Any
+) -> Any:
+    """The DataLoader's sampling options checked together; returns ``last_batch`` with
+    ``drop_last`` (torch's spelling) folded in."""
+    check_choice("last_batch", last_batch, ("keep", "discard", "rollover"))
+    if drop_last is not None:
+        drop_last = check_bool("drop_last", drop_last)
+        if drop_last and last_batch not in ("keep", "discard"):
+            raise ValueError(f"drop_last=True conflicts with last_batch={last_batch!r}")
+        if drop_last:
+            last_batch = "discard"
+    if batch_sampler is not None:
+        conflicts = [
+            name
+            for name, given in (
+                ("batch_size", batch_size_given),
+                ("shuffle", shuffle),
+                ("sampler", sampler is not None),
+                ("last_batch", last_batch != "keep"),
+                ("drop_last", drop_last is not None),
+            )
+            if given
+        ]
+        if conflicts:
+            raise ValueError(f"batch_sampler is mutually exclusive with {', '.join(conflicts)}")
+        if not isinstance(batch_sampler, Iterable):
+            raise TypeError(
+                f"batch_sampler must be a re-iterable of index sequences, got {batch_sampler!r}"
+            )
+    if sampler is not None:
+        if shuffle:
+            raise ValueError("sampler is mutually exclusive with shuffle=True")
+        if not isinstance(sampler, Iterable):
+            raise TypeError(f"sampler must be a re-iterable of ints, got {sampler!r}")
+    return last_batch
+
+
+def check_shard(shard: Any) -> tuple[int, int]:
+    """``shard`` as ``(rank, world_size)`` (default ``(0, 1)``)."""
+    if shard is None:
+        return (0, 1)
+    if (
+        not isinstance(shard, (tuple, list))
+        or len(shard) != 2
+        or not all(isinstance(x, int) and not isinstance(x, bool) for x in shard)
+        or shard[1] < 1
+        or not 0 <= shard[0] < shard[1]
+    ):
+        raise ValueError(f"shard must be (rank, world_size) with 0 <= rank < world_size, got {shard!r}")
+    return (int(shard[0]), int(shard[1]))

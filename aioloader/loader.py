@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import dataclasses
+import functools
 import os
 import secrets
 import weakref
@@ -18,17 +20,20 @@ from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequenc
 from multiprocessing.context import BaseContext
 from typing import Any, Generic, Literal
 
+import numpy as np
+
 from . import _worker
 from ._collate import default_collate
 from ._engine.epochs import Cursor, EpochPass, EpochSource, Parked, WorkerSide
 from ._engine.resume import cursor_from_state, state_from_cursor
 from ._engine.run import Run, RunConfig
-from ._facade import IterableLoader, Lifecycle
-from ._plan.sampler import BatchPlanner, LastBatch, ShardPolicy, dataset_length
+from ._facade import IterableLoader, Lifecycle, Pass
+from ._plan.sampler import BatchPlanner, EpochPlan, LastBatch, ShardPolicy, dataset_length
 from ._pool import WorkerPool
+from ._torch_compat import PinningPass, resolve_torch_args
 from ._transport import TransportKind
 from ._types import Batch, BatchSampler, CollateFn, MapDataset, Sampler
-from ._validate import check_bool, check_choice, check_int, check_seconds
+from ._validate import check_bool, check_choice, check_int, check_sampling, check_seconds, check_shard
 
 __all__ = ["DataLoader"]
 
@@ -47,7 +52,8 @@ class DataLoader(IterableLoader, Generic[Batch]):
             ``Dataset`` works). With workers it must pickle; it is sent to each worker once.
         batch_size: samples per batch.
         shuffle: reshuffle every epoch; the order of epoch ``e`` is a pure function of
-            ``(seed, e, len(dataset))``.
+            ``(seed, e, len(dataset))``. ``len(dataset)`` is read again as each epoch
+            begins, so a dataset that grew between epochs is seen whole by the next one.
         sampler: a re-iterable of indices (its ``set_epoch(e)`` is called before each
             epoch). Excludes ``shuffle``.
         batch_sampler: a re-iterable of index sequences. Excludes ``batch_size``,
@@ -61,12 +67,14 @@ class DataLoader(IterableLoader, Generic[Batch]):
         prefetch: most batches submitted, running or waiting for the consumer at once
             (default ``2 * num_workers``, at least 2).
         timeout: seconds a batch may take from the moment a worker starts it; on expiry
-            :class:`~aioloader.LoaderTimeout` is raised and the worker is killed.
+            :class:`~aioloader.LoaderTimeout` is raised and the worker is killed. ``None``
+            or ``0`` (torch's default) means no timeout.
         worker_init_fn: called once in each worker with the worker's id.
         mp_context: start method name or context (default ``forkserver``, else ``spawn``).
         seed: seeds the shuffle and every sample's randomness; ``None`` draws one
             (readable as ``loader.seed``).
-        ordered: deliver batches in sampler order (``True``) or as they complete.
+        ordered: deliver batches in sampler order (``True``, the default) or as they
+            complete.
         on_error: ``"raise"`` the first exception from the dataset, or ``"skip"`` the
             failing samples (counted; see ``max_skipped``).
         max_skipped: with ``on_error="skip"``, raise once more samples than this failed
@@ -86,6 +94,23 @@ class DataLoader(IterableLoader, Generic[Batch]):
             ``False`` lets threads overlap (``sample_rng()`` stays seeded per sample).
         trace: write a Chrome trace-event file here when the loader closes (see
             :meth:`tracing` to trace a part of a run).
+        prefetch_factor: torch's spelling of ``prefetch``, per worker: ``prefetch =
+            prefetch_factor * num_workers``. Needs ``num_workers > 0``; excludes ``prefetch``.
+        persistent_workers: accepted for torch compatibility and has no effect: the
+            workers always persist for the loader's life (``False`` does not restart them).
+        pin_memory: pin the torch tensors of every batch (through tuples, lists and
+            dicts; numpy arrays are left as they are). Without CUDA (or torch) it warns
+            once, at construction, and batches are not pinned.
+        pin_memory_device: passed to ``Tensor.pin_memory()``; warns without ``pin_memory``.
+        generator: a ``torch.Generator``: ``seed`` is drawn from it once, at
+            construction, as torch draws its base seed. Excludes ``seed``.
+        multiprocessing_context: torch's spelling of ``mp_context``; excludes it.
+        in_order: torch's spelling of ``ordered``; excludes it.
+
+    Each of torch's spellings that says the same as one of aioloader's (``prefetch`` and
+    ``prefetch_factor``, ``ordered`` and ``in_order``, ``mp_context`` and
+    ``multiprocessing_context``, ``seed`` and ``generator``) raises ``ValueError`` naming
+    both when both are given.
     """
 
     _kind = "DataLoader"
@@ -107,7 +132,7 @@ class DataLoader(IterableLoader, Generic[Batch]):
         worker_init_fn: Callable[[int], Any] | None = None,
         mp_context: str | BaseContext | None = None,
         seed: int | None = None,
-        ordered: bool = True,
+        ordered: bool | None = None,
         on_error: Literal["raise", "skip"] = "raise",
         max_skipped: int | None = None,
         max_retries: int = 2,
@@ -119,52 +144,38 @@ class DataLoader(IterableLoader, Generic[Batch]):
         prefetch_next_epoch: bool = True,
         seed_samples: bool = True,
         trace: str | os.PathLike[str] | None = None,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        pin_memory: bool = False,
+        pin_memory_device: str = "",
+        generator: Any = None,
+        multiprocessing_context: str | BaseContext | None = None,
+        in_order: bool | None = None,
     ) -> None:
         if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
             raise TypeError(
                 f"dataset must be map-style (define __len__ and __getitem__), got {type(dataset).__name__}"
             )
-        length = _dataset_length(dataset)
+        length = dataset_length(dataset)
         batch_size_given = batch_size != 1
         batch_size = check_int("batch_size", batch_size, 1)
         shuffle = check_bool("shuffle", shuffle)
-        ordered = check_bool("ordered", ordered)
+        torch_args = resolve_torch_args(
+            num_workers=num_workers, prefetch=prefetch, prefetch_factor=prefetch_factor,
+            ordered=ordered, in_order=in_order, seed=seed, generator=generator,
+            mp_context=mp_context, multiprocessing_context=multiprocessing_context,
+            persistent_workers=persistent_workers, pin_memory=pin_memory, pin_memory_device=pin_memory_device,
+        )  # fmt: skip
+        seed = torch_args.seed
         prefetch_next_epoch = check_bool("prefetch_next_epoch", prefetch_next_epoch)
         seed_samples = check_bool("seed_samples", seed_samples)
-        check_choice("last_batch", last_batch, ("keep", "discard", "rollover"))
-        if drop_last is not None:
-            drop_last = check_bool("drop_last", drop_last)
-            if drop_last and last_batch not in ("keep", "discard"):
-                raise ValueError(f"drop_last=True conflicts with last_batch={last_batch!r}")
-            if drop_last:
-                last_batch = "discard"
-        if batch_sampler is not None:
-            conflicts = [
-                name
-                for name, given in (
-                    ("batch_size", batch_size_given),
-                    ("shuffle", shuffle),
-                    ("sampler", sampler is not None),
-                    ("last_batch", last_batch != "keep"),
-                    ("drop_last", drop_last is not None),
-                )
-                if given
-            ]
-            if conflicts:
-                raise ValueError(f"batch_sampler is mutually exclusive with {', '.join(conflicts)}")
-            if not isinstance(batch_sampler, Iterable):
-                raise TypeError(
-                    f"batch_sampler must be a re-iterable of index sequences, got {batch_sampler!r}"
-                )
-        if sampler is not None:
-            if shuffle:
-                raise ValueError("sampler is mutually exclusive with shuffle=True")
-            if not isinstance(sampler, Iterable):
-                raise TypeError(f"sampler must be a re-iterable of ints, got {sampler!r}")
+        last_batch = check_sampling(batch_size_given, shuffle, sampler, batch_sampler, last_batch, drop_last)
         if collate_fn is not None and not callable(collate_fn):
             raise TypeError(f"collate_fn must be callable, got {collate_fn!r}")
         if worker_init_fn is not None and not callable(worker_init_fn):
             raise TypeError(f"worker_init_fn must be callable, got {worker_init_fn!r}")
+        if type(timeout) in (int, float) and timeout == 0:
+            timeout = None  # torch's default, 0, means no timeout
         timeout = check_seconds("timeout", timeout, allow_zero=False)
         if seed is not None:
             seed = check_int("seed", seed, 0)
@@ -173,16 +184,7 @@ class DataLoader(IterableLoader, Generic[Batch]):
             max_skipped = check_int("max_skipped", max_skipped, 0)
         max_retries = check_int("max_retries", max_retries, 0)
         check_choice("shard_policy", shard_policy, ("pad", "drop", "uneven"))
-        if shard is None:
-            shard = (0, 1)
-        if (
-            not isinstance(shard, (tuple, list))
-            or len(shard) != 2
-            or not all(isinstance(x, int) and not isinstance(x, bool) for x in shard)
-            or shard[1] < 1
-            or not 0 <= shard[0] < shard[1]
-        ):
-            raise ValueError(f"shard must be (rank, world_size) with 0 <= rank < world_size, got {shard!r}")
+        shard = check_shard(shard)
 
         self.dataset = dataset
         self.batch_size = batch_size
@@ -193,22 +195,23 @@ class DataLoader(IterableLoader, Generic[Batch]):
         self.collate_fn = collate_fn if collate_fn is not None else default_collate
         self.timeout = timeout
         self.worker_init_fn = worker_init_fn
-        self.ordered = ordered
+        self.ordered: bool = torch_args.ordered
+        self.pin_memory = bool(pin_memory)
+        self._pin = torch_args.pin
         self.on_error = on_error
         self.max_skipped = max_skipped
         self.max_retries = max_retries
-        self.shard = (int(shard[0]), int(shard[1]))
+        self.shard = shard
         self.shard_policy: ShardPolicy = shard_policy
         self.prefetch_next_epoch = prefetch_next_epoch
         self.seed_samples = seed_samples
-        self._length = length
         self.seed: int = seed if seed is not None else secrets.randbits(63)
         self._setup(
             num_workers=num_workers,
-            mp_context=mp_context,
+            mp_context=torch_args.mp_context,
             pool=pool,
             executor=executor,
-            prefetch=prefetch,
+            prefetch=torch_args.prefetch,
             transport=transport,
             trace=trace,
         )
@@ -265,8 +268,21 @@ class DataLoader(IterableLoader, Generic[Batch]):
 
     # ------------------------------------------------------------------- planning
     def __len__(self) -> int:
-        """Number of batches in the next epoch."""
-        return self._planner.num_batches(len(self._next.carry))
+        """Number of batches in the next epoch (for ``len(dataset)`` as it is now, unless
+        the next epoch is one resumed mid-way, which keeps its recorded length)."""
+        nxt = self._next
+        return self._planner.num_batches(len(nxt.carry), self._epoch_length(nxt))
+
+    def _epoch_length(self, cur: Cursor) -> int:
+        """The ``len(dataset)`` epoch ``cur`` is planned for: read again for each epoch
+        that has not begun (torch does the same), so a dataset that grew is seen whole."""
+        return cur.length if cur.length is not None else dataset_length(self.dataset)
+
+    def _parked_fits(self, parked: Parked, cur: Cursor, loop: asyncio.AbstractEventLoop) -> bool:
+        if parked.successor is not cur or parked.run.loop is not loop or parked.run.closed:
+            return False
+        plan = parked.source.plans.get(cur.epoch)
+        return plan is None or plan.length == self._epoch_length(cur)
 
     @property
     def epoch(self) -> int:
@@ -293,7 +309,7 @@ class DataLoader(IterableLoader, Generic[Batch]):
         return getter() if callable(getter) else None
 
     # ------------------------------------------------------------------ iteration
-    async def _begin(self) -> EpochPass:
+    async def _begin(self) -> Pass:
         self._check_open()
         loop = asyncio.get_running_loop()
         if self._state is Lifecycle.NEW:
@@ -302,9 +318,10 @@ class DataLoader(IterableLoader, Generic[Batch]):
             self._check_open()
             cur = self._next
             parked, self._parked = self._parked, None
-            if parked is not None and parked.successor is cur and parked.run.loop is loop and not parked.run.closed:
+            if parked is not None and self._parked_fits(parked, cur, loop):
                 run, source = parked.run, parked.source
                 plan = source.begin(cur.epoch)
+                cur = dataclasses.replace(cur, length=plan.length)
             else:
                 if parked is not None:
                     parked.run.close_threadsafe()
@@ -312,11 +329,13 @@ class DataLoader(IterableLoader, Generic[Batch]):
                     other.stop_following()  # this pass runs the epoch they would go on into
                 if cur.sampler_state is not None:
                     self._planner.custom.load_state_dict(cur.sampler_state)
-                cur = Cursor(cur.epoch, cur.carry, cur.prefix, cur.after, self._sampler_state())
-                plan = self._planner.plan(cur.epoch, cur.carry)
+                length = self._epoch_length(cur)
+                cur = Cursor(cur.epoch, cur.carry, cur.prefix, cur.after, self._sampler_state(), length)
+                plan = self._planner.plan(cur.epoch, cur.carry, length)
                 speculate = self.prefetch_next_epoch and self._planner.custom is None
                 side = WorkerSide(self._token, self.seed, self._shared.get_payload)
-                source = EpochSource(side, plan, cur, self._planner.plan if speculate else None)
+                ahead = functools.partial(_plan_ahead, self._planner, self.dataset)  # holds no loader
+                source = EpochSource(side, plan, cur, ahead if speculate else None)
                 run = Run(self._run_config(), source)
                 self._runs.add(run)
                 self._sources.add(source)
@@ -333,7 +352,7 @@ class DataLoader(IterableLoader, Generic[Batch]):
                 max_skipped=self.max_skipped,
                 on_end=self._end_pass,
             )
-            return p
+            return p if self._pin is None else PinningPass(p, self._pin)
 
     def _run_config(self) -> RunConfig:
         return RunConfig(
@@ -377,13 +396,12 @@ class DataLoader(IterableLoader, Generic[Batch]):
             else:
                 cur = self._next
                 if cur.sampler_state is None:
-                    cur = Cursor(cur.epoch, cur.carry, cur.prefix, cur.after, self._sampler_state())
-            return state_from_cursor(cur, self.seed, self._identity())
+                    cur = dataclasses.replace(cur, sampler_state=self._sampler_state())
+            return state_from_cursor(cur, self.seed, self._identity(), dataset_length(self.dataset))
 
     def _identity(self) -> dict[str, Any]:
         """What a state dict must agree on with the loader it is loaded into."""
         return {
-            "length": self._length,
             "batch_size": self.batch_size,
             "last_batch": self.last_batch,
             "shuffle": self.shuffle,
@@ -398,7 +416,11 @@ class DataLoader(IterableLoader, Generic[Batch]):
         state comes from an incompatible loader.
         """
         seed, cursor = cursor_from_state(
-            state, self._identity(), sampler=self._planner.custom, num_batches=self._planner.num_batches
+            state,
+            self._identity(),
+            sampler=self._planner.custom,
+            length_now=dataset_length(self.dataset),
+            num_batches=self._planner.num_batches,
         )
         with self._lock:
             self._check_open()
@@ -414,9 +436,6 @@ class DataLoader(IterableLoader, Generic[Batch]):
         )
 
 
-def _dataset_length(dataset: Any) -> int:
-    if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
-        raise TypeError(
-            f"dataset must be map-style (define __len__ and __getitem__), got {type(dataset).__name__}"
-        )
-    return dataset_length(dataset)
+def _plan_ahead(planner: BatchPlanner, dataset: Any, epoch: int, carry: np.ndarray) -> EpochPlan:
+    # The next epoch built ahead of time; _begin discards it if the length changed meanwhile.
+    return planner.plan(epoch, carry, dataset_length(dataset))

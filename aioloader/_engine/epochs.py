@@ -31,14 +31,17 @@ _EMPTY = np.zeros(0, dtype=np.int64)
 
 @dataclass(frozen=True)
 class Cursor:
-    """The next batch to deliver: the first position of ``plan(epoch, carry)`` that is
-    neither below ``prefix`` nor in ``after``."""
+    """The next batch to deliver: the first position of ``plan(epoch, carry, length)``
+    that is neither below ``prefix`` nor in ``after``. ``length`` is the ``len(dataset)``
+    the epoch is planned for; ``None`` until the epoch begins (it is read then, so a
+    dataset that grew between epochs is seen whole by the next one)."""
 
     epoch: int
     carry: np.ndarray = field(default_factory=lambda: _EMPTY)
     prefix: int = 0
     after: frozenset[int] = frozenset()
     sampler_state: Any = None
+    length: int | None = None
 
     @property
     def fresh(self) -> bool:
@@ -66,8 +69,8 @@ class Cursor:
             while prefix in after:
                 after = after - {prefix}
                 prefix += 1
-            return Cursor(self.epoch, self.carry, prefix, after, self.sampler_state)
-        return Cursor(self.epoch, self.carry, self.prefix, self.after | {pos}, self.sampler_state)
+            return Cursor(self.epoch, self.carry, prefix, after, self.sampler_state, self.length)
+        return Cursor(self.epoch, self.carry, self.prefix, self.after | {pos}, self.sampler_state, self.length)
 
 
 @dataclass

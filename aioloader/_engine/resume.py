@@ -2,8 +2,11 @@
 small JSON-serialisable dict, and read back with every field checked.
 
 A state dict names where the loader stands (epoch, delivered positions, rolled-over
-samples, the user sampler's own state) and what it must agree on with the loader it is
-loaded into (its *identity*: length, batch size, last-batch policy, shuffle, shard).
+samples, the user sampler's own state, the ``len(dataset)`` its epoch was planned for)
+and what it must agree on with the loader it is loaded into (its *identity*: batch size,
+last-batch policy, shuffle, shard). A state taken mid-epoch resumes that epoch with its
+recorded length, so the dataset may have grown since, not shrunk below it; a state taken
+between epochs reads the length again when the next epoch begins, as any epoch does.
 Both directions cost O(delivered out of order), never O(epoch length).
 """
 
@@ -22,8 +25,9 @@ __all__ = ["STATE_VERSION", "cursor_from_state", "state_from_cursor"]
 STATE_VERSION = 2  # 2: epoch orders come from the index shuffle (_permute.py)
 
 
-def state_from_cursor(cur: Cursor, seed: int, identity: dict[str, Any]) -> dict[str, Any]:
+def state_from_cursor(cur: Cursor, seed: int, identity: dict[str, Any], length_now: int) -> dict[str, Any]:
     return {
+        "length": int(cur.length if cur.length is not None else length_now),
         "version": STATE_VERSION,
         "seed": seed,
         "epoch": int(cur.epoch),
@@ -41,7 +45,8 @@ def cursor_from_state(
     identity: dict[str, Any],
     *,
     sampler: Any,
-    num_batches: Callable[[int], int],
+    length_now: int,
+    num_batches: Callable[[int, int], int],
 ) -> tuple[int, Cursor]:
     """``(seed, cursor)`` from ``state``; :class:`~aioloader.StateDictError` naming the
     first field that is missing, malformed, out of range or disagrees with ``identity``."""
@@ -63,15 +68,23 @@ def cursor_from_state(
         prefix = int(state["next_position"])
         after = [int(p) for p in state.get("delivered_after", [])]
         rollover = [int(i) for i in state.get("rollover", [])]
+        length = int(state["length"])
     except KeyError as exc:
         raise StateDictError(f"state dict lacks the key {exc.args[0]!r}") from None
     except (TypeError, ValueError) as exc:
         raise StateDictError(f"state dict holds a malformed value: {exc}") from None
-    n_batches = num_batches(len(rollover))
+    begun = prefix > 0 or bool(after)
+    if begun and not 0 <= length <= length_now:
+        raise StateDictError(
+            f"state dict does not match this loader: its epoch was planned for length {length} "
+            f"(len(dataset)) but this dataset has {length_now} samples"
+        )
+    n_batches = num_batches(len(rollover), length if begun else length_now)
     if seed < 0 or epoch < 0 or not 0 <= prefix <= n_batches or any(not prefix < p < n_batches for p in after):
         raise StateDictError(
             f"state dict positions are out of range: seed={seed}, epoch={epoch}, "
             f"next_position={prefix}, delivered_after={after} for {n_batches} batches"
         )
     carry = np.asarray(rollover, dtype=np.int64)
-    return seed, Cursor(epoch, carry, prefix, frozenset(after), sampler_state)
+    # An epoch that had not begun reads len(dataset) when it begins, like any other.
+    return seed, Cursor(epoch, carry, prefix, frozenset(after), sampler_state, length if begun else None)

@@ -209,6 +209,7 @@ class EpochPlan:
     batches: Sequence[Indices]
     carry_in: NDArray[np.int64]
     carry_out: NDArray[np.int64]
+    length: int = 0  # len(dataset) this plan was built for
 
     def __len__(self) -> int:
         return len(self.batches)
@@ -303,57 +304,63 @@ class BatchPlanner:
         """The user's sampler or batch sampler, if any."""
         return self.batch_sampler if self.batch_sampler is not None else self.sampler
 
-    def _order(self, epoch: int) -> _Order:
+    def _order(self, epoch: int, n: int) -> _Order:
         if self.sampler is not None:
             _set_epoch(self.sampler, epoch)
-            order = sampler_order(self.sampler, self.length)
+            order = sampler_order(self.sampler, n)
             return _ArrayOrder(shard_indices(order, self.rank, self.world_size, self.shard_policy))
-        shuffle = IndexShuffle(self.length, self.seed, epoch) if self.shuffle else None
-        return _ComputedOrder(self.length, self.rank, self.world_size, self.shard_policy, shuffle)
+        shuffle = IndexShuffle(n, self.seed, epoch) if self.shuffle else None
+        return _ComputedOrder(n, self.rank, self.world_size, self.shard_policy, shuffle)
 
-    def _carry(self, carry_in: Any) -> NDArray[np.int64]:
+    def _length(self, length: int | None) -> int:
+        return self.length if length is None else check_length(length, "len(dataset)")
+
+    def _carry(self, carry_in: Any, n: int) -> NDArray[np.int64]:
         if carry_in is None:
             return np.zeros(0, dtype=np.int64)
         carry = np.asarray(carry_in)
         if carry.ndim != 1 or (carry.size and carry.dtype.kind not in "iu"):
             raise TypeError(f"rolled-over indices must be a 1-d array of ints, got {carry_in!r}")
-        bad = np.flatnonzero((carry < 0) | (carry >= self.length))
+        bad = np.flatnonzero((carry < 0) | (carry >= n))
         if bad.size:
             raise ValueError(
-                f"rolled-over index {int(carry[bad[0]])} is outside [0, {self.length}): "
+                f"rolled-over index {int(carry[bad[0]])} is outside [0, {n}): "
                 "the state does not belong to this dataset"
             )
         return carry.astype(np.int64)
 
-    def plan(self, epoch: int, carry_in: Any = None) -> EpochPlan:
-        """Build epoch ``epoch``'s batches, prepending ``carry_in`` (rollover only)."""
+    def plan(self, epoch: int, carry_in: Any = None, length: int | None = None) -> EpochPlan:
+        """Build epoch ``epoch``'s batches, prepending ``carry_in`` (rollover only), for a
+        dataset of ``length`` samples (default: the planner's ``length``)."""
         empty = np.zeros(0, dtype=np.int64)
+        n = self._length(length)
         if self.batch_sampler is not None:
             _set_epoch(self.batch_sampler, epoch)
-            batches = batch_sampler_batches(self.batch_sampler, self.length)
+            batches = batch_sampler_batches(self.batch_sampler, n)
             if self.world_size > 1:
                 batches = batches[self.rank :: self.world_size]
-            return EpochPlan(epoch, batches, empty, empty)
-        return self._ordered_plan(epoch, carry_in)
+            return EpochPlan(epoch, batches, empty, empty, n)
+        return self._ordered_plan(epoch, carry_in, n)
 
-    def _ordered_plan(self, epoch: int, carry_in: Any) -> EpochPlan:
+    def _ordered_plan(self, epoch: int, carry_in: Any, n: int) -> EpochPlan:
         empty = np.zeros(0, dtype=np.int64)
-        order = self._order(epoch)
-        carry = self._carry(carry_in)
+        order = self._order(epoch, n)
+        carry = self._carry(carry_in, n)
         total = len(carry) + order.count
         end = total if self.last_batch == "keep" else total - total % self.batch_size
         batches = EpochBatches(order, carry, self.batch_size, end)
         carry_out = empty
         if self.last_batch == "rollover" and end < total:
             carry_out = batches.span(end, total).astype(np.int64)
-        return EpochPlan(epoch, batches, carry, carry_out)
+        return EpochPlan(epoch, batches, carry, carry_out, n)
 
-    def num_batches(self, carry: int = 0) -> int:
-        """Batches in an epoch entered with ``carry`` rolled-over samples (no sampling done)."""
+    def num_batches(self, carry: int = 0, length: int | None = None) -> int:
+        """Batches in an epoch entered with ``carry`` rolled-over samples, for a dataset of
+        ``length`` samples (default: the planner's ``length``; no sampling done)."""
         if self.batch_sampler is not None:
             n = _len_of(self.batch_sampler, "batch_sampler")
             return len(range(self.rank, n, self.world_size))
-        n = _len_of(self.sampler, "sampler") if self.sampler is not None else self.length
+        n = _len_of(self.sampler, "sampler") if self.sampler is not None else self._length(length)
         n = shard_count(n, self.rank, self.world_size, self.shard_policy) + carry
         full, rem = divmod(n, self.batch_size)
         return full + (1 if rem and self.last_batch == "keep" else 0)

@@ -1,0 +1,155 @@
+"""torch's ``DataLoader`` argument spellings, translated into aioloader's own.
+
+:func:`resolve_torch_args` checks the torch-only keywords (and the pairs that would say
+the same thing twice) and returns aioloader's values; :class:`PinningPass` pins the
+tensors of each batch when ``pin_memory=True``. torch is imported only when a torch-only
+argument needs it, so a loader that uses none of them never imports torch.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import sys
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.context import BaseContext
+from typing import Any
+
+from ._validate import check_bool, check_int
+
+__all__ = ["PinningPass", "TorchArgs", "pin_tensors", "resolve_torch_args", "seed_from_generator"]
+
+_SEED_MASK = (1 << 63) - 1
+
+
+@dataclass(frozen=True)
+class TorchArgs:
+    """aioloader's values once the torch spellings were folded in."""
+
+    prefetch: int | None
+    ordered: bool
+    mp_context: str | BaseContext | None
+    seed: int | None
+    pin: Callable[[Any], Any] | None  # applied to every batch, or None
+
+
+def seed_from_generator(generator: Any) -> int:
+    """A seed drawn from a ``torch.Generator`` the way torch draws its base seed (this
+    advances the generator once, as constructing a torch iterator does)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator, got {generator!r} ({type(generator).__name__})")
+    drawn = torch.empty((), dtype=torch.int64).random_(generator=generator).item()
+    return int(drawn) & _SEED_MASK
+
+
+def pin_tensors(batch: Any, device: str) -> Any:
+    """``batch`` with every torch tensor in it (through tuples, lists and dicts) pinned;
+    numpy arrays and other leaves are returned as they are."""
+    torch = sys.modules["torch"]
+    if isinstance(batch, torch.Tensor):
+        return batch.pin_memory(device) if device else batch.pin_memory()
+    if isinstance(batch, dict):
+        return type(batch)({k: pin_tensors(v, device) for k, v in batch.items()})
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a named tuple
+        return type(batch)(*(pin_tensors(v, device) for v in batch))
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(pin_tensors(v, device) for v in batch)
+    return batch
+
+
+def _pinner(pin_memory: bool, device: str) -> Callable[[Any], Any] | None:
+    if not pin_memory:
+        if device:
+            warnings.warn(
+                f"pin_memory_device={device!r} has no effect without pin_memory=True", UserWarning, stacklevel=4
+            )
+        return None
+    try:
+        import torch
+    except ImportError:
+        reason = "torch is not installed"
+    else:
+        if device and not device.startswith("cuda"):
+            return lambda batch: pin_tensors(batch, device)
+        if torch.cuda.is_available():
+            return lambda batch: pin_tensors(batch, device)
+        reason = "CUDA is not available (torch.cuda.is_available() is False)"
+    warnings.warn(f"pin_memory=True is ignored: {reason}; batches are not pinned", UserWarning, stacklevel=4)
+    return None
+
+
+def resolve_torch_args(
+    *,
+    num_workers: Any,
+    prefetch: Any,
+    prefetch_factor: Any,
+    ordered: Any,
+    in_order: Any,
+    mp_context: str | BaseContext | None,
+    multiprocessing_context: str | BaseContext | None,
+    seed: Any,
+    generator: Any,
+    persistent_workers: Any,
+    pin_memory: Any,
+    pin_memory_device: Any,
+) -> TorchArgs:
+    """Fold torch's keywords into aioloader's; a ValueError names both parameters of a
+    conflicting pair, and a bad value raises an error naming its parameter."""
+    check_bool("persistent_workers", persistent_workers)  # workers always persist
+    if prefetch_factor is not None:
+        if prefetch is not None:
+            raise ValueError("pass prefetch or prefetch_factor, not both (prefetch = prefetch_factor * num_workers)")
+        prefetch_factor = check_int("prefetch_factor", prefetch_factor, 1)
+        workers = check_int("num_workers", num_workers, 0)
+        if workers == 0:
+            raise ValueError(
+                f"prefetch_factor={prefetch_factor} needs num_workers > 0 (as in torch); with "
+                "num_workers=0 leave prefetch_factor as None, or pass prefetch="
+            )
+        prefetch = prefetch_factor * workers
+    if in_order is not None:
+        if ordered is not None:
+            raise ValueError("pass ordered or in_order, not both (in_order is torch's name for ordered)")
+        ordered = check_bool("in_order", in_order)
+    ordered = True if ordered is None else check_bool("ordered", ordered)
+    if multiprocessing_context is not None:
+        if mp_context is not None:
+            raise ValueError(
+                "pass mp_context or multiprocessing_context, not both (multiprocessing_context is torch's name)"
+            )
+        if not isinstance(multiprocessing_context, (str, BaseContext)):
+            raise TypeError(
+                "multiprocessing_context must be a start method name or a multiprocessing context, "
+                f"got {multiprocessing_context!r}"
+            )
+        methods = mp.get_all_start_methods()
+        if isinstance(multiprocessing_context, str) and multiprocessing_context not in methods:
+            raise ValueError(
+                f"multiprocessing_context: unknown start method {multiprocessing_context!r}; "
+                f"this platform has {methods}"
+            )
+        mp_context = multiprocessing_context
+    if generator is not None:
+        if seed is not None:
+            raise ValueError("pass seed or generator, not both (the generator only draws the seed)")
+        seed = seed_from_generator(generator)
+    pin_memory = check_bool("pin_memory", pin_memory)
+    if not isinstance(pin_memory_device, str):
+        raise TypeError(f"pin_memory_device must be a str, got {pin_memory_device!r}")
+    return TorchArgs(prefetch, ordered, mp_context, seed, _pinner(pin_memory, pin_memory_device))
+
+
+class PinningPass:
+    """A pass whose batches go through ``pin`` before they are delivered."""
+
+    def __init__(self, inner: Any, pin: Callable[[Any], Any]) -> None:
+        self.inner = inner
+        self.pin = pin
+
+    async def next(self) -> Any:
+        return self.pin(await self.inner.next())
+
+    async def finish(self) -> None:
+        await self.inner.finish()
