@@ -19,7 +19,7 @@ from multiprocessing.context import BaseContext
 from typing import Any, Generic, Literal
 
 from . import _worker
-from ._collate import default_collate
+from ._collate import collate_torch, default_collate, is_torch_dataset
 from ._engine.epochs import Cursor, EpochPass, EpochSource, Parked, WorkerSide
 from ._engine.resume import cursor_from_state, state_from_cursor
 from ._engine.run import Run, RunConfig
@@ -248,14 +248,22 @@ class DataLoader(IterableLoader, Generic[Batch]):
         return self.last_batch == "discard"
 
     # -------------------------------------------------------------------- payload
+    def _worker_collate(self) -> Callable[[list[Any]], Any]:
+        # A torch dataset gets torch batches all through from the default collate, even
+        # when its samples are numpy (see aioloader._collate on torch mode).
+        if self.collate_fn is default_collate and is_torch_dataset(self.dataset):
+            return collate_torch
+        return self.collate_fn
+
     def _worker_context(self) -> _worker.WorkerContext:
         return _worker.WorkerContext(
             dataset=self.dataset,
-            collate_fn=self._transport.wrap_collate(self.collate_fn),
+            collate_fn=self._transport.wrap_collate(self._worker_collate()),
             worker_init_fn=self.worker_init_fn,
             on_error=self.on_error,
             seed_samples=self.seed_samples,
             encode=self._transport.encode,
+            seed=self.seed,
         )
 
     def _pickled_parts(self) -> Sequence[tuple[str, object]]:
