@@ -32,7 +32,9 @@ __all__ = [
     "collate_torch",
     "collate_with",
     "constructs_plainly",
+    "convert_torch",
     "default_collate",
+    "default_convert",
     "fill_rows",
     "has_tensor",
     "is_torch_dataset",
@@ -266,3 +268,39 @@ def is_torch_dataset(dataset: object) -> bool:
     """Whether ``dataset`` is a ``torch.utils.data.Dataset`` (never imports torch)."""
     data = sys.modules.get("torch.utils.data")
     return data is not None and isinstance(dataset, data.Dataset)
+
+
+def _convert(sample: Any, torch: Any) -> Any:
+    if isinstance(sample, torch.Tensor):
+        return sample
+    if isinstance(sample, (np.ndarray, np.generic)):
+        if sample.dtype.kind in _NOT_TENSOR_KINDS:
+            return sample
+        return torch.as_tensor(sample)
+    if isinstance(sample, (str, bytes)):
+        return sample
+    if isinstance(sample, Mapping):
+        out = {k: _convert(v, torch) for k, v in sample.items()}
+        try:
+            return type(sample)(out)  # type: ignore[call-arg]
+        except TypeError:
+            return out
+    if isinstance(sample, (tuple, list)):
+        fields = [_convert(v, torch) for v in sample]
+        if _is_namedtuple(sample):
+            return type(sample)(*fields)
+        return tuple(fields) if isinstance(sample, tuple) else fields
+    return sample
+
+
+def default_convert(sample: Any) -> Any:
+    """The default ``collate_fn`` of ``batch_size=None`` (no automatic batching), applied
+    to each sample alone. In torch mode (the sample holds a tensor) numpy arrays and
+    scalars become tensors as ``torch.utils.data.default_convert`` makes them (numbers,
+    strings and other leaves stay as they are); otherwise the sample is returned as is."""
+    return _convert(sample, _torch()) if has_tensor(sample) else sample
+
+
+def convert_torch(sample: Any) -> Any:
+    """:func:`default_convert` in torch mode whatever the sample holds (a torch dataset's)."""
+    return _convert(sample, _torch())

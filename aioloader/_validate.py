@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["check_bool", "check_choice", "check_int", "check_seconds"]
+__all__ = ["check_bool", "check_choice", "check_int", "check_seconds", "check_unbatched"]
 
 
 def check_int(name: str, value: Any, minimum: int) -> int:
@@ -41,3 +41,18 @@ def check_seconds(name: str, value: Any, *, allow_zero: bool) -> float | None:
         bound = ">= 0" if allow_zero else "> 0"
         raise ValueError(f"{name} must be a finite number of seconds {bound}, or None; got {value!r}")
     return float(value)
+
+
+def check_unbatched(batch_sampler: object, drop_last: bool | None, last_batch: str) -> None:
+    """``batch_size=None`` turns batching off; the arguments that shape batches conflict."""
+    conflicts = [
+        name
+        for name, given in (
+            ("batch_sampler", batch_sampler is not None),
+            ("drop_last=True", drop_last is True),
+            (f"last_batch={last_batch!r}", last_batch != "keep"),
+        )
+        if given
+    ]
+    if conflicts:
+        raise ValueError(f"batch_size=None (no automatic batching) is mutually exclusive with {', '.join(conflicts)}")

@@ -102,6 +102,7 @@ class WorkerContext:
     seed_samples: bool = True
     encode: Callable[[Any], Any] | None = None
     fetch_batch: bool = False  # call dataset.__getitems__(indices) when the dataset has it
+    unbatched: bool = False  # batch_size=None: collate_fn takes the one sample, not a list
     seed: int = 0  # the loader's seed when the payload was made (worker info in worker_init_fn)
     # Set in the worker, never pickled with the payload:
     remote: bool = field(default=False, compare=False)
@@ -404,7 +405,7 @@ def _build(ctx: WorkerContext, task: BatchTask) -> tuple[Any, tuple[tuple[int, s
     if not samples:
         return None, tuple(skipped)
     try:
-        batch = ctx.collate_fn(samples)
+        batch = ctx.collate_fn(samples[0] if ctx.unbatched else samples)
         if ctx.encode is not None:
             batch = ctx.encode(batch)
     except Exception as exc:

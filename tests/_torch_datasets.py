@@ -73,3 +73,18 @@ def record_worker_info(worker_id: int) -> None:
 class InitSeenDataset(RangeDataset):
     def __getitem__(self, i: int) -> Any:
         return _seen_at_init
+
+
+def describe_sample(sample: Any) -> tuple[str, int]:
+    """A collate_fn for batch_size=None: it must be given the sample itself."""
+    return type(sample).__name__, len(sample)
+
+
+class CountingIterable(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+    """A torch IterableDataset that also defines __len__ (which torch allows)."""
+
+    def __len__(self) -> int:
+        return 3
+
+    def __iter__(self) -> Any:
+        return iter(range(3))

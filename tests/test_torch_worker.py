@@ -144,3 +144,61 @@ def test_numpy_workers_do_not_import_torch(collect: Callable[..., list[Any]]) ->
     with aioloader.DataLoader(TorchImported(), 2, num_workers=2) as loader:
         got = collect(loader)
     assert [bool(x) for b in got for x in b] == [False] * 4
+
+
+def test_batch_size_none_yields_samples_as_torch_converts_them(collect: Callable[..., list[Any]]) -> None:
+    import torch
+    from torch.utils.data import default_convert as torch_convert
+
+    from ._torch_datasets import NumpyTorchDataset
+
+    ds = NumpyTorchDataset(5)
+    with aioloader.DataLoader(ds, batch_size=None, num_workers=2, shuffle=True, seed=3) as loader:
+        assert loader.batch_size is None and len(loader) == 5
+        got = collect(loader)
+    names = [s["name"] for s in got]
+    with aioloader.DataLoader(ds, 1, shuffle=True, seed=3) as batched:
+        assert names == [b["name"][0] for b in batched]  # the order batch_size=1 shuffles to
+    for s in got:
+        i = int(s["name"][1:])
+        want = torch_convert(ds[i])
+        assert isinstance(s["x"], torch.Tensor) and torch.equal(s["x"], want["x"])
+        assert s["y"] == want["y"] and type(s["y"]) is int and s["w"] == want["w"]
+
+
+def test_batch_size_none_keeps_numpy_samples(collect: Callable[..., list[Any]]) -> None:
+    from ._datasets import RangeDataset
+
+    with aioloader.DataLoader(RangeDataset(4), batch_size=None, num_workers=2) as loader:
+        got = collect(loader)
+    assert [i for _, i in got] == [0, 1, 2, 3]
+    assert all(type(x) is np.ndarray and x.shape == (3,) for x, _ in got)
+
+
+def test_batch_size_none_gives_collate_fn_the_sample(collect: Callable[..., list[Any]]) -> None:
+    from ._datasets import RangeDataset
+    from ._torch_datasets import describe_sample
+
+    with aioloader.DataLoader(RangeDataset(3), batch_size=None, collate_fn=describe_sample, num_workers=2) as loader:
+        assert collect(loader) == [("tuple", 2)] * 3
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [({"drop_last": True}, "drop_last=True"), ({"last_batch": "rollover"}, "last_batch='rollover'"),
+     ({"batch_sampler": [[0, 1]]}, "batch_sampler")],
+)
+def test_batch_size_none_refuses_batching_arguments(kwargs: dict[str, Any], named: str) -> None:
+    from ._datasets import RangeDataset
+
+    with pytest.raises(ValueError, match=f"batch_size=None .* {named}"):
+        aioloader.DataLoader(RangeDataset(3), batch_size=None, **kwargs)
+
+
+def test_iterable_dataset_is_refused_by_name() -> None:
+    """Regression: one with __len__ passed validation, then failed at sample 0 with
+    NotImplementedError (the __getitem__ torch's Dataset defines)."""
+    from ._torch_datasets import CountingIterable
+
+    with pytest.raises(TypeError, match=r"torch IterableDataset \(CountingIterable\).*StreamLoader"):
+        aioloader.DataLoader(CountingIterable(), 2)
