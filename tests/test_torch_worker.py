@@ -202,3 +202,20 @@ def test_iterable_dataset_is_refused_by_name() -> None:
 
     with pytest.raises(TypeError, match=r"torch IterableDataset \(CountingIterable\).*StreamLoader"):
         aioloader.DataLoader(CountingIterable(), 2)
+
+
+def test_batch_size_none_resumes_mid_epoch() -> None:
+    from ._datasets import RangeDataset
+
+    with aioloader.DataLoader(RangeDataset(6), batch_size=None, num_workers=2, shuffle=True, seed=1) as loader:
+        whole = [i for _, i in loader]
+        it = iter(loader)
+        head = [next(it)[1] for _ in range(3)]
+        state = loader.state_dict()
+        it.close()
+    with aioloader.DataLoader(RangeDataset(6), batch_size=None, shuffle=True, seed=1) as resumed:
+        resumed.load_state_dict(state)
+        tail = [i for _, i in resumed]
+    with aioloader.DataLoader(RangeDataset(6), batch_size=None, shuffle=True, seed=1) as fresh:
+        fresh.set_epoch(1)
+        assert head + tail == [i for _, i in fresh] and sorted(whole) == list(range(6))
