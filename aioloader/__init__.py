@@ -6,6 +6,7 @@ Public names are re-exported here; the implementation lives in private modules.
 from __future__ import annotations
 
 from ._collate import default_collate as default_collate
+from ._collate import default_convert as default_convert
 from ._plan.sampler import DistributedSampler as DistributedSampler
 from ._pool import WorkerPool as WorkerPool
 from ._seeding import sample_rng as sample_rng
@@ -60,6 +61,7 @@ __all__ = [
     "WorkerCrashedError",
     "WorkerPool",
     "default_collate",
+    "default_convert",
     "sample_rng",
 ]
 

@@ -50,6 +50,14 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
     return _mix(_mix(_mix(seed & _M64) ^ (epoch & _M64)) ^ (index & _M64))
 
 
+def worker_seed(seed: int, worker_id: int) -> int:
+    """The seed ``torch.utils.data.get_worker_info().seed`` reports in worker
+    ``worker_id``: a pure function of the loader's seed and the id. aioloader seeds per
+    sample, not per worker; this is for code that seeds other libraries from it. Under
+    2**63, as torch's are (it fits an int64 tensor)."""
+    return (_mix(_mix(seed & _M64) ^ _mix(worker_id + 0x5EED))) >> 1
+
+
 def seed_sample(seed: int, epoch: int, index: int) -> None:
     """Seed ``random``, ``numpy.random`` and torch (if imported) for one sample.
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from . import _shm
-from ._collate import default_collate
+from ._collate import collate_torch, default_collate
 
 __all__ = ["Transport", "TransportKind", "make_transport"]
 
@@ -63,8 +63,8 @@ class ShmTransport(Transport):
         # Only our own collate is replaced: its result is known to be the same, and it
         # writes each byte once, straight into the slab. A user's collate_fn keeps its
         # behaviour; encode copies its large array leaves into the slab afterwards.
-        if collate_fn is default_collate and isinstance(self.encode, _shm.ShmEncoder):
-            return _shm.ShmCollate(self.encode)
+        if collate_fn in (default_collate, collate_torch) and isinstance(self.encode, _shm.ShmEncoder):
+            return _shm.ShmCollate(self.encode, as_torch=collate_fn is collate_torch)
         return collate_fn
 
     def close(self) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["check_bool", "check_choice", "check_int", "check_sampling", "check_seconds", "check_shard"]
+__all__ = ["check_bool", "check_choice", "check_int", "check_sampling", "check_seconds", "check_shard", "check_unbatched"]
 
 
 def check_int(name: str, value: Any, minimum: int) -> int:
@@ -94,3 +94,18 @@ def check_shard(shard: Any) -> tuple[int, int]:
     ):
         raise ValueError(f"shard must be (rank, world_size) with 0 <= rank < world_size, got {shard!r}")
     return (int(shard[0]), int(shard[1]))
+
+
+def check_unbatched(batch_sampler: object, drop_last: bool | None, last_batch: str) -> None:
+    """``batch_size=None`` turns batching off; the arguments that shape batches conflict."""
+    conflicts = [
+        name
+        for name, given in (
+            ("batch_sampler", batch_sampler is not None),
+            ("drop_last=True", drop_last is True),
+            (f"last_batch={last_batch!r}", last_batch != "keep"),
+        )
+        if given
+    ]
+    if conflicts:
+        raise ValueError(f"batch_size=None (no automatic batching) is mutually exclusive with {', '.join(conflicts)}")

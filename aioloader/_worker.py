@@ -7,6 +7,10 @@ whose token the worker has not seen comes back as :data:`NEED_PAYLOAD`, and the
 scheduler resubmits it once with the payload attached. Either way a batch task carries
 only its indices and a little metadata.
 
+In an owned process pool, ``torch.utils.data.get_worker_info()`` answers as in a torch
+worker (id, num_workers, seed, dataset) wherever torch is imported in the worker; this
+module never imports torch itself (see :func:`_publish_worker_info`).
+
 Crash attribution and timeouts need to know which worker runs which task and since
 when. Each worker of an owned pool claims a slot in a small shared int64 table and
 writes ``(pid, task_id, start_ns)`` there before touching the dataset.
@@ -98,22 +102,27 @@ class WorkerContext:
     seed_samples: bool = True
     encode: Callable[[Any], Any] | None = None
     fetch_batch: bool = False  # call dataset.__getitems__(indices) when the dataset has it
+    unbatched: bool = False  # batch_size=None: collate_fn takes the one sample, not a list
+    seed: int = 0  # the loader's seed when the payload was made (worker info in worker_init_fn)
     # Set in the worker, never pickled with the payload:
     remote: bool = field(default=False, compare=False)
     init_error: BaseException | None = field(default=None, compare=False)
     init_done: bool = field(default=False, compare=False)
+    torch_info: Any = field(default=None, compare=False)  # torch's WorkerInfo, made once per seed
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["remote"] = True
         state["init_error"] = None
         state["init_done"] = False
+        state["torch_info"] = None
         return state
 
 
 _contexts: OrderedDict[str, WorkerContext] = OrderedDict()
 _contexts_lock = threading.Lock()
 _worker_id = 0
+_num_workers = 0  # the owned pool's size; 0 elsewhere (threads, borrowed executors)
 
 # Side channel for crash attribution and timeouts (owned process pools only).
 _slot_table: Any = None  # numpy int64 view over a shared RawArray, 3 fields per slot
@@ -172,8 +181,36 @@ def check_loaded(token: str) -> None:
         raise _byvalue.unpickle_error(exc) from exc
 
 
+_TORCH_WORKER = "torch.utils.data._utils.worker"
+
+
+def _publish_worker_info(ctx: WorkerContext, seed: int) -> None:
+    """Make ``torch.utils.data.get_worker_info()`` describe this worker and ``ctx``'s
+    dataset, as torch's own workers do (torch keeps it in a module global).
+
+    Only in a worker of an owned pool (its id and the pool's size are known), and only
+    when torch is already imported here: a torch dataset's module imports it while the
+    dataset is unpickled, and code that never imported torch cannot ask. Threads
+    (``num_workers=0``) leave it ``None``, as torch's main process does. Set again for
+    every batch: loaders sharing a pool have different datasets.
+    """
+    if not _num_workers:
+        return
+    module: Any = sys.modules.get(_TORCH_WORKER)
+    if module is None:
+        return
+    info = ctx.torch_info
+    want = _seeding.worker_seed(seed, _worker_id)
+    if info is None or info.seed != want:
+        info = ctx.torch_info = module.WorkerInfo(
+            id=_worker_id, num_workers=_num_workers, seed=want, dataset=ctx.dataset
+        )
+    module._worker_info = info
+
+
 def _run_init(ctx: WorkerContext) -> None:
     ctx.init_done = True
+    _publish_worker_info(ctx, ctx.seed)
     if ctx.worker_init_fn is None:
         return
     try:
@@ -246,7 +283,7 @@ def pool_initializer(
     payloads: dict[str, bytes], table: Any, lock: Any, counter: Any, max_slots: int, consumer_pid: int = 0
 ) -> None:
     """Initializer of an owned process pool: one call per worker process."""
-    global _slot_table, _slot, _worker_id
+    global _slot_table, _slot, _worker_id, _num_workers
     # Ctrl-C reaches the whole process group; only the consumer should react to it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if consumer_pid:
@@ -258,6 +295,7 @@ def pool_initializer(
             _slot = counter.value
             counter.value += 1
         _worker_id = _slot
+        _num_workers = max_slots
         if _slot < max_slots:
             _slot_table = np.frombuffer(table, dtype=np.int64)
             _slot_table[_slot * 3] = os.getpid()
@@ -342,6 +380,7 @@ def run_batch(task: BatchTask) -> BatchResult | str:
         _run_init(ctx)
     if ctx.init_error is not None:
         raise _portable(ctx.init_error, ctx)
+    _publish_worker_info(ctx, task.seed)
     start = time.monotonic_ns()
     _mark_start(task.task_id, start)
     try:
@@ -398,7 +437,7 @@ def _build(ctx: WorkerContext, task: BatchTask) -> tuple[Any, tuple[tuple[int, s
     if not samples:
         return None, tuple(skipped)
     try:
-        batch = ctx.collate_fn(samples)
+        batch = ctx.collate_fn(samples[0] if ctx.unbatched else samples)
         if ctx.encode is not None:
             batch = ctx.encode(batch)
     except Exception as exc:

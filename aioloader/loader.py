@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import os
 import secrets
+import sys
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from multiprocessing.context import BaseContext
@@ -23,7 +24,7 @@ from typing import Any, Generic, Literal
 import numpy as np
 
 from . import _worker
-from ._collate import default_collate
+from ._collate import collate_torch, convert_torch, default_collate, default_convert, is_torch_dataset
 from ._engine.epochs import Cursor, EpochPass, EpochSource, Parked, WorkerSide
 from ._engine.resume import cursor_from_state, state_from_cursor
 from ._engine.run import Run, RunConfig
@@ -33,7 +34,15 @@ from ._pool import WorkerPool
 from ._torch_compat import PinningPass, resolve_torch_args
 from ._transport import TransportKind
 from ._types import Batch, BatchSampler, CollateFn, MapDataset, Sampler
-from ._validate import check_bool, check_choice, check_int, check_sampling, check_seconds, check_shard
+from ._validate import (
+    check_bool,
+    check_choice,
+    check_int,
+    check_sampling,
+    check_seconds,
+    check_shard,
+    check_unbatched,
+)
 
 __all__ = ["DataLoader"]
 
@@ -50,7 +59,10 @@ class DataLoader(IterableLoader, Generic[Batch]):
     Args:
         dataset: any object with ``__len__`` and ``__getitem__(int)`` (a torch
             ``Dataset`` works). With workers it must pickle; it is sent to each worker once.
-        batch_size: samples per batch.
+        batch_size: samples per batch. ``None``: no automatic batching, as in torch: each
+            sample is a batch of its own, given alone (not in a list) to ``collate_fn``,
+            whose default is then :func:`~aioloader.default_convert`. Excludes
+            ``batch_sampler``, ``drop_last=True`` and ``last_batch`` other than ``"keep"``.
         shuffle: reshuffle every epoch; the order of epoch ``e`` is a pure function of
             ``(seed, e, len(dataset))``. ``len(dataset)`` is read again as each epoch
             begins, so a dataset that grew between epochs is seen whole by the next one.
@@ -118,7 +130,7 @@ class DataLoader(IterableLoader, Generic[Batch]):
     def __init__(
         self,
         dataset: MapDataset[Any],
-        batch_size: int = 1,
+        batch_size: int | None = 1,
         *,
         shuffle: bool = False,
         sampler: Sampler | Iterable[int] | None = None,
@@ -152,13 +164,12 @@ class DataLoader(IterableLoader, Generic[Batch]):
         multiprocessing_context: str | BaseContext | None = None,
         in_order: bool | None = None,
     ) -> None:
-        if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
-            raise TypeError(
-                f"dataset must be map-style (define __len__ and __getitem__), got {type(dataset).__name__}"
-            )
-        length = dataset_length(dataset)
-        batch_size_given = batch_size != 1
-        batch_size = check_int("batch_size", batch_size, 1)
+        length = _dataset_length(dataset)
+        unbatched = batch_size is None
+        if unbatched:
+            check_unbatched(batch_sampler, drop_last, last_batch)
+        batch_size_given = batch_size != 1 and not unbatched
+        batch_size = 1 if batch_size is None else check_int("batch_size", batch_size, 1)
         shuffle = check_bool("shuffle", shuffle)
         torch_args = resolve_torch_args(
             num_workers=num_workers, prefetch=prefetch, prefetch_factor=prefetch_factor,
@@ -187,12 +198,12 @@ class DataLoader(IterableLoader, Generic[Batch]):
         shard = check_shard(shard)
 
         self.dataset = dataset
-        self.batch_size = batch_size
+        self.batch_size: int | None = None if unbatched else batch_size
         self.shuffle = shuffle
         self.sampler = sampler
         self.batch_sampler = batch_sampler
         self.last_batch: LastBatch = last_batch
-        self.collate_fn = collate_fn if collate_fn is not None else default_collate
+        self.collate_fn = collate_fn if collate_fn is not None else default_convert if unbatched else default_collate
         self.timeout = timeout
         self.worker_init_fn = worker_init_fn
         self.ordered: bool = torch_args.ordered
@@ -253,14 +264,26 @@ class DataLoader(IterableLoader, Generic[Batch]):
         return self.last_batch == "discard"
 
     # -------------------------------------------------------------------- payload
+    def _worker_collate(self) -> Callable[[list[Any]], Any]:
+        # A torch dataset gets torch batches all through from the default collate, even
+        # when its samples are numpy (see aioloader._collate on torch mode).
+        if is_torch_dataset(self.dataset):
+            if self.collate_fn is default_collate:
+                return collate_torch
+            if self.collate_fn is default_convert:
+                return convert_torch
+        return self.collate_fn
+
     def _worker_context(self) -> _worker.WorkerContext:
         return _worker.WorkerContext(
             dataset=self.dataset,
-            collate_fn=self._transport.wrap_collate(self.collate_fn),
+            collate_fn=self._transport.wrap_collate(self._worker_collate()),
             worker_init_fn=self.worker_init_fn,
             on_error=self.on_error,
             seed_samples=self.seed_samples,
             encode=self._transport.encode,
+            seed=self.seed,
+            unbatched=self.batch_size is None,
         )
 
     def _pickled_parts(self) -> Sequence[tuple[str, object]]:
@@ -439,3 +462,19 @@ class DataLoader(IterableLoader, Generic[Batch]):
 def _plan_ahead(planner: BatchPlanner, dataset: Any, epoch: int, carry: np.ndarray) -> EpochPlan:
     # The next epoch built ahead of time; _begin discards it if the length changed meanwhile.
     return planner.plan(epoch, carry, dataset_length(dataset))
+
+
+def _dataset_length(dataset: Any) -> int:
+    data = sys.modules.get("torch.utils.data")
+    if data is not None and isinstance(dataset, data.IterableDataset):
+        # It inherits a __getitem__ that raises NotImplementedError: refuse it here, with
+        # its own name, rather than at sample 0 (a __len__ would let it through).
+        raise TypeError(
+            f"dataset is a torch IterableDataset ({type(dataset).__name__}): DataLoader takes "
+            "map-style datasets only; iterate it with aioloader.StreamLoader(dataset, ...) instead"
+        )
+    if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+        raise TypeError(
+            f"dataset must be map-style (define __len__ and __getitem__), got {type(dataset).__name__}"
+        )
+    return dataset_length(dataset)

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from .._collate import FRESH, Stacker, collate_with, constructs_plainly, default_collate, fill_rows
+from .._collate import FRESH, Stacker, collate_with, constructs_plainly, fill_rows
 from . import _decode, _names
 from ._arena import _WSlab, arena
 from ._mapping import align
@@ -94,6 +94,16 @@ class _Rows(_Leaf):
         return FRESH.arrays(self.source, self.shape[1:], self.dtype)
 
 
+class _ArrayTensorRows(_Rows):
+    """Torch mode: numpy samples stacked into the slab, arriving as a tensor viewing it."""
+
+    __slots__ = ()
+    tensor = True
+
+    def value(self) -> Any:
+        return FRESH.array_tensor(self.source, self.shape[1:], self.dtype)
+
+
 class _TensorRows(_Leaf):
     """CPU tensors of one shape and dtype, stacked by ``torch.stack`` into the slab; they
     arrive as ``torch.from_numpy`` of the slab's bytes."""
@@ -137,6 +147,13 @@ class _Deferring(Stacker):
         if dtype.hasobject or not self._large(full, dtype):
             return super().arrays(samples, shape, dtype)
         self.leaves.append(_Rows(samples, full, dtype))
+        return self.leaves[-1]
+
+    def array_tensor(self, samples: Sequence[np.ndarray], shape: tuple[int, ...], dtype: np.dtype[Any]) -> Any:
+        full = (len(samples), *shape)
+        if not self._large(full, dtype):
+            return super().array_tensor(samples, shape, dtype)
+        self.leaves.append(_ArrayTensorRows(samples, full, dtype))
         return self.leaves[-1]
 
     def tensors(self, samples: Sequence[Any]) -> Any:
@@ -279,14 +296,15 @@ class ShmCollate:
     slab: the same dispatch, the same errors, the same result once it has travelled;
     each byte of a large leaf is written once, into memory the consumer will view."""
 
-    def __init__(self, encoder: ShmEncoder) -> None:
+    def __init__(self, encoder: ShmEncoder, as_torch: bool = False) -> None:
         self.encoder = encoder
+        self.as_torch = as_torch  # torch mode forced (the loader's dataset is a torch one)
 
     def __call__(self, samples: Sequence[Any]) -> Any:
         enc = self.encoder
         if enc._disabled() is not None:
-            return default_collate(samples)
+            return collate_with(samples, FRESH, self.as_torch)
         stack = _Deferring(enc.config.min_leaf_bytes)
-        batch = collate_with(samples, stack)
+        batch = collate_with(samples, stack, self.as_torch)
         # Without a slab the placeholders stay in the batch and pickle as their values.
         return enc.place(batch, stack.leaves, batch) if stack.leaves else batch
