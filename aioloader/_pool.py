@@ -4,9 +4,7 @@ Ownership: a :class:`WorkerPool` either *owns* its executor (it created it: a pr
 pool, or the single thread of ``num_workers=0``) or *borrows* one the user passed in.
 An owned pool is created on first use, lives across epochs and iterators, is rebuilt
 after a worker dies, and is shut down by :meth:`WorkerPool.close` (or its finalizer).
-A borrowed executor is never shut down or rebuilt by aioloader.
-
-Why private attributes of ``ProcessPoolExecutor`` are read here: before Python 3.14 the
+A borrowed executor is never shut down or rebuilt by aioloader. Why private attributes of ``ProcessPoolExecutor`` are read here: before Python 3.14 the
 public API offers no way to learn which processes a pool runs, to tell which one died,
 or to stop a worker stuck in a task. We read ``_processes`` (pid → Process) and kill
 processes ourselves, only on pools we created.

@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
-__all__ = ["check_bool", "check_choice", "check_int", "check_sampling", "check_seconds", "check_shard", "check_unbatched"]
+__all__ = [
+    "check_bool",
+    "check_choice",
+    "check_int",
+    "check_map_dataset",
+    "check_sampling",
+    "check_seconds",
+    "check_shard",
+    "check_unbatched",
+]
 
 
 def check_int(name: str, value: Any, minimum: int) -> int:
@@ -109,3 +119,22 @@ def check_unbatched(batch_sampler: object, drop_last: bool | None, last_batch: s
     ]
     if conflicts:
         raise ValueError(f"batch_size=None (no automatic batching) is mutually exclusive with {', '.join(conflicts)}")
+
+
+def check_map_dataset(dataset: Any) -> int:
+    """The length of a map-style ``dataset``; a clear ``TypeError`` for anything else."""
+    data = sys.modules.get("torch.utils.data")
+    if data is not None and isinstance(dataset, data.IterableDataset):
+        # It inherits a __getitem__ that raises NotImplementedError: refuse it here, with
+        # its own name, rather than at sample 0 (a __len__ would let it through).
+        raise TypeError(
+            f"dataset is a torch IterableDataset ({type(dataset).__name__}): DataLoader takes "
+            "map-style datasets only; iterate it with aioloader.StreamLoader(dataset, ...) instead"
+        )
+    if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+        raise TypeError(
+            f"dataset must be map-style (define __len__ and __getitem__), got {type(dataset).__name__}"
+        )
+    from ._plan.sampler import dataset_length
+
+    return dataset_length(dataset)

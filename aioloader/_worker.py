@@ -35,7 +35,7 @@ from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
-from . import _byvalue, _seeding
+from . import _byvalue, _orphan, _seeding
 from .errors import CollateError, DatasetPickleError, RemoteError
 
 __all__ = [
@@ -220,65 +220,6 @@ def _run_init(ctx: WorkerContext) -> None:
         ctx.init_error = exc
 
 
-_orphan_hooks: list[Callable[[], None]] = []
-_orphan_lock = threading.Lock()
-_orphaned = False
-
-
-def on_orphaned(hook: Callable[[], None]) -> None:
-    """Run ``hook`` in this worker if its consumer process dies (before the worker exits);
-    at once, in the caller, if it has died already."""
-    with _orphan_lock:
-        if not _orphaned:
-            _orphan_hooks.append(hook)
-            return
-    hook()
-
-
-def wait_for_exit(pid: int) -> None:
-    """Block until process ``pid`` has exited (a pidfd where the kernel has them, else
-    polling twice a second)."""
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return
-    except (AttributeError, OSError):  # no pidfd: poll
-        while True:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                return
-            except PermissionError:
-                pass
-            time.sleep(0.5)
-    import select
-
-    try:
-        select.select([fd], [], [])  # readable once the process has exited
-    finally:
-        os.close(fd)
-
-
-def _exit_when_orphaned(consumer_pid: int) -> None:
-    """Daemon thread of an owned worker: exit once the consumer is gone.
-
-    A worker's parent is the forkserver, not the consumer, and the executor's queues do
-    not tell a blocked worker that the consumer was killed (SIGKILL, OOM): without this,
-    such workers would live on forever.
-    """
-    global _orphaned
-    wait_for_exit(consumer_pid)
-    with _orphan_lock:  # a hook registered from now on runs in its caller
-        _orphaned = True
-        hooks = list(_orphan_hooks)
-    for hook in hooks:
-        try:
-            hook()
-        except Exception:  # best effort: the process is going away
-            pass
-    os._exit(0)
-
-
 def pool_initializer(
     payloads: dict[str, bytes], table: Any, lock: Any, counter: Any, max_slots: int, consumer_pid: int = 0
 ) -> None:
@@ -288,7 +229,7 @@ def pool_initializer(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if consumer_pid:
         threading.Thread(
-            target=_exit_when_orphaned, args=(consumer_pid,), name="aioloader-orphan-watch", daemon=True
+            target=_orphan.exit_when_orphaned, args=(consumer_pid,), name="aioloader-orphan-watch", daemon=True
         ).start()
     if table is not None:
         with lock:

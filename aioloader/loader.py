@@ -15,7 +15,6 @@ import dataclasses
 import functools
 import os
 import secrets
-import sys
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from multiprocessing.context import BaseContext
@@ -38,6 +37,7 @@ from ._validate import (
     check_bool,
     check_choice,
     check_int,
+    check_map_dataset,
     check_sampling,
     check_seconds,
     check_shard,
@@ -164,7 +164,7 @@ class DataLoader(IterableLoader, Generic[Batch]):
         multiprocessing_context: str | BaseContext | None = None,
         in_order: bool | None = None,
     ) -> None:
-        length = _dataset_length(dataset)
+        length = check_map_dataset(dataset)
         unbatched = batch_size is None
         if unbatched:
             check_unbatched(batch_sampler, drop_last, last_batch)
@@ -181,10 +181,9 @@ class DataLoader(IterableLoader, Generic[Batch]):
         prefetch_next_epoch = check_bool("prefetch_next_epoch", prefetch_next_epoch)
         seed_samples = check_bool("seed_samples", seed_samples)
         last_batch = check_sampling(batch_size_given, shuffle, sampler, batch_sampler, last_batch, drop_last)
-        if collate_fn is not None and not callable(collate_fn):
-            raise TypeError(f"collate_fn must be callable, got {collate_fn!r}")
-        if worker_init_fn is not None and not callable(worker_init_fn):
-            raise TypeError(f"worker_init_fn must be callable, got {worker_init_fn!r}")
+        for name, fn in (("collate_fn", collate_fn), ("worker_init_fn", worker_init_fn)):
+            if fn is not None and not callable(fn):
+                raise TypeError(f"{name} must be callable, got {fn!r}")
         if type(timeout) in (int, float) and timeout == 0:
             timeout = None  # torch's default, 0, means no timeout
         timeout = check_seconds("timeout", timeout, allow_zero=False)
@@ -218,25 +217,13 @@ class DataLoader(IterableLoader, Generic[Batch]):
         self.seed_samples = seed_samples
         self.seed: int = seed if seed is not None else secrets.randbits(63)
         self._setup(
-            num_workers=num_workers,
-            mp_context=torch_args.mp_context,
-            pool=pool,
-            executor=executor,
-            prefetch=torch_args.prefetch,
-            transport=transport,
-            trace=trace,
-        )
+            num_workers=num_workers, mp_context=torch_args.mp_context, pool=pool, executor=executor,
+            prefetch=torch_args.prefetch, transport=transport, trace=trace,
+        )  # fmt: skip
         self._planner = BatchPlanner(
-            length,
-            batch_size=batch_size,
-            shuffle=shuffle,
-            sampler=sampler,
-            batch_sampler=batch_sampler,
-            last_batch=last_batch,
-            seed=self.seed,
-            shard=self.shard,
-            shard_policy=shard_policy,
-        )
+            length, batch_size=batch_size, shuffle=shuffle, sampler=sampler, batch_sampler=batch_sampler,
+            last_batch=last_batch, seed=self.seed, shard=self.shard, shard_policy=shard_policy,
+        )  # fmt: skip
         self._next = Cursor(0)  # where the next fresh iteration starts
         self._active: EpochPass | None = None  # the newest iteration, for state_dict()
         self._parked: Parked | None = None  # a run that went on into self._next's epoch
@@ -297,8 +284,7 @@ class DataLoader(IterableLoader, Generic[Batch]):
         return self._planner.num_batches(len(nxt.carry), self._epoch_length(nxt))
 
     def _epoch_length(self, cur: Cursor) -> int:
-        """The ``len(dataset)`` epoch ``cur`` is planned for: read again for each epoch
-        that has not begun (torch does the same), so a dataset that grew is seen whole."""
+        """``len(dataset)`` for epoch ``cur``: read again for each epoch not yet begun (as torch does)."""
         return cur.length if cur.length is not None else dataset_length(self.dataset)
 
     def _parked_fits(self, parked: Parked, cur: Cursor, loop: asyncio.AbstractEventLoop) -> bool:
@@ -462,19 +448,3 @@ class DataLoader(IterableLoader, Generic[Batch]):
 def _plan_ahead(planner: BatchPlanner, dataset: Any, epoch: int, carry: np.ndarray) -> EpochPlan:
     # The next epoch built ahead of time; _begin discards it if the length changed meanwhile.
     return planner.plan(epoch, carry, dataset_length(dataset))
-
-
-def _dataset_length(dataset: Any) -> int:
-    data = sys.modules.get("torch.utils.data")
-    if data is not None and isinstance(dataset, data.IterableDataset):
-        # It inherits a __getitem__ that raises NotImplementedError: refuse it here, with
-        # its own name, rather than at sample 0 (a __len__ would let it through).
-        raise TypeError(
-            f"dataset is a torch IterableDataset ({type(dataset).__name__}): DataLoader takes "
-            "map-style datasets only; iterate it with aioloader.StreamLoader(dataset, ...) instead"
-        )
-    if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
-        raise TypeError(
-            f"dataset must be map-style (define __len__ and __getitem__), got {type(dataset).__name__}"
-        )
-    return dataset_length(dataset)
