@@ -359,7 +359,7 @@ def _group_alive(pgid: int) -> bool:
         ({"collate_fn": 3}, TypeError, "collate_fn"),
         ({"worker_init_fn": "x"}, TypeError, "worker_init_fn"),
         ({"num_workers": 1, "mp_context": "teleport"}, ValueError, "teleport"),
-        ({"timeout": 0}, ValueError, "timeout"),
+        ({"timeout": -1}, ValueError, "timeout"),  # 0 means none, as in torch
         ({"on_error": "ignore"}, ValueError, "on_error"),
         ({"shard": (2, 2)}, ValueError, "shard"),
         ({"shard_policy": "even"}, ValueError, "shard_policy"),
