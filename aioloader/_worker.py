@@ -329,12 +329,15 @@ def run_batch(task: BatchTask) -> BatchResult | str:
             data, skipped = _build(ctx, task)
         elif ctx.remote:
             # random's and numpy's global generators are shared by every thread of a
-            # process (a thread executor, a dask worker's threads): seeded batches build
-            # one at a time. A process-pool worker has one thread; the lock costs nothing.
+            # process (a borrowed thread executor, a dask worker's threads): seeded batches
+            # build one at a time. A process-pool worker has one thread; the lock is free.
             with _SEEDED_BATCH_LOCK:
                 data, skipped = _build(ctx, task)
-        else:  # in the consumer's process: its own random state is put back after
-            with _SEEDED_BATCH_LOCK, _GlobalRngGuard():
+        else:
+            # The loader's own thread (num_workers=0) runs one batch at a time; no lock, so
+            # a thread abandoned after a timeout cannot hold up its replacement. The
+            # consumer's own random state is put back after each batch.
+            with _GlobalRngGuard():
                 data, skipped = _build(ctx, task)
     finally:
         _mark_end(task.task_id)
