@@ -1,7 +1,7 @@
 """``default_collate``: turn a list of samples into one batch, numpy first.
 
 *Torch mode.* A batch is collated the way ``torch.utils.data.default_collate`` does
-(every number and numpy leaf becomes a tensor) when any of its samples holds a torch
+(every number and numpy leaf becomes a tensor) when its first sample holds a torch
 tensor anywhere in its structure, or when the loader forces it because its dataset is a
 ``torch.utils.data.Dataset`` (:func:`collate_torch`). Otherwise numbers and arrays stay
 numpy. The choice is made per batch from the samples alone, so it costs nothing when
@@ -232,10 +232,11 @@ def _collate(samples: Sequence[Any], path: str, stack: Stacker, as_torch: bool =
 def collate_with(samples: Sequence[Any], stack: Stacker, as_torch: bool = False) -> Any:
     """:func:`default_collate`, with ``stack`` deciding where stacked arrays and tensors
     live: the same dispatch and the same errors, whatever ``stack`` does. ``as_torch``
-    forces torch mode; without it, torch mode is on when a sample holds a tensor."""
+    forces torch mode; without it, torch mode is on when the first sample holds a tensor
+    (as in torch, the first sample decides; the others must match it)."""
     if len(samples) == 0:
         raise CollateError("cannot collate an empty batch", positions=[])
-    return _collate(samples, "", stack, as_torch or has_tensor(samples))
+    return _collate(samples, "", stack, as_torch or has_tensor(samples[0]))
 
 
 def default_collate(samples: Sequence[Any]) -> Any:
@@ -245,7 +246,7 @@ def default_collate(samples: Sequence[Any]) -> Any:
     - Python and numpy numbers → a 1-d numpy array;
     - PIL images of one size → a ``uint8`` array ``(N, H, W[, C])``;
     - torch tensors (when torch is imported) → ``torch.stack``;
-    - in torch mode (a sample holds a tensor anywhere; see the module docstring) numbers
+    - in torch mode (the first sample holds a tensor; see the module docstring) numbers
       and numpy arrays become tensors as ``torch.utils.data.default_collate`` makes them
       (Python ints → int64, Python floats → float64, numpy keeps its dtype); numpy
       arrays of strings or objects stay numpy;

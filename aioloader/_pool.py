@@ -30,7 +30,7 @@ import numpy as np
 from . import _byvalue, _worker
 from .errors import LoaderClosedError, PoolBrokenError
 
-__all__ = ["CrashInfo", "Generation", "WorkerPool", "default_mp_context"]
+__all__ = ["CrashInfo", "Generation", "WorkerPool", "default_mp_context", "resolve_context"]
 
 PoolKind = Literal["process", "thread", "external"]
 
@@ -42,19 +42,19 @@ def default_mp_context() -> BaseContext:
     return ctx
 
 
-def _resolve_context(mp_context: str | BaseContext | None) -> BaseContext:
+def resolve_context(mp_context: str | BaseContext | None, name: str = "mp_context") -> BaseContext:
+    """The multiprocessing context that ``mp_context`` names (the default if ``None``);
+    errors name the parameter ``name`` (torch spells it ``multiprocessing_context``)."""
     if mp_context is None:
         return default_mp_context()
     if isinstance(mp_context, str):
         methods = mp.get_all_start_methods()
         if mp_context not in methods:
-            raise ValueError(f"mp_context: unknown start method {mp_context!r}; this platform has {methods}")
+            raise ValueError(f"{name}: unknown start method {mp_context!r}; this platform has {methods}")
         return mp.get_context(mp_context)
     if isinstance(mp_context, BaseContext):
         return mp_context
-    raise TypeError(
-        f"mp_context must be a start method name or a multiprocessing context, got {mp_context!r}"
-    )
+    raise TypeError(f"{name} must be a start method name or a multiprocessing context, got {mp_context!r}")
 
 
 @dataclass
@@ -125,7 +125,7 @@ class WorkerPool:
             "external" if executor is not None else "process" if num_workers > 0 else "thread"
         )
         self.num_workers = num_workers
-        self._context = _resolve_context(mp_context) if self.kind == "process" else None
+        self._context = resolve_context(mp_context) if self.kind == "process" else None
         self._external = executor
         self._payloads: dict[str, bytes] = {}
         self._lock = threading.RLock()

@@ -8,7 +8,6 @@ argument needs it, so a loader that uses none of them never imports torch.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import sys
 import warnings
 from collections.abc import Callable
@@ -16,6 +15,7 @@ from dataclasses import dataclass
 from multiprocessing.context import BaseContext
 from typing import Any
 
+from ._pool import resolve_context
 from ._validate import check_bool, check_int
 
 __all__ = ["PinningPass", "TorchArgs", "pin_tensors", "resolve_torch_args", "seed_from_generator"]
@@ -119,18 +119,7 @@ def resolve_torch_args(
             raise ValueError(
                 "pass mp_context or multiprocessing_context, not both (multiprocessing_context is torch's name)"
             )
-        if not isinstance(multiprocessing_context, (str, BaseContext)):
-            raise TypeError(
-                "multiprocessing_context must be a start method name or a multiprocessing context, "
-                f"got {multiprocessing_context!r}"
-            )
-        methods = mp.get_all_start_methods()
-        if isinstance(multiprocessing_context, str) and multiprocessing_context not in methods:
-            raise ValueError(
-                f"multiprocessing_context: unknown start method {multiprocessing_context!r}; "
-                f"this platform has {methods}"
-            )
-        mp_context = multiprocessing_context
+        mp_context = resolve_context(multiprocessing_context, "multiprocessing_context")
     if generator is not None:
         if seed is not None:
             raise ValueError("pass seed or generator, not both (the generator only draws the seed)")
