@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import hashlib
+import concurrent.futures
 import io
 import json
 import os
 import pickle
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -232,6 +234,26 @@ def test_synthetic_jpegs_do_not_depend_on_who_writes_them(tmp_path: Path) -> Non
     assert not list((tmp_path / "pool").rglob(".*.tmp"))
 
 
+def test_two_writers_of_one_image_do_not_collide(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A loader that builds the next epoch ahead writes an image again while the first
+    # write runs. Both writers stop just before renaming their file into place; with a
+    # temporary name shared between them, the second rename found nothing to rename.
+    writer = JpegWriter(tmp_path, 4, 2, seed=3)
+    writer.path(1).parent.mkdir(parents=True)
+    both_saved = threading.Barrier(2, timeout=30)
+    real_replace = os.replace
+
+    def replace_when_both_saved(src: Any, dst: Any) -> None:
+        both_saved.wait()
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace_when_both_saved)
+    with concurrent.futures.ThreadPoolExecutor(2) as ex:
+        sizes = list(ex.map(writer.__getitem__, [1, 1]))
+    assert sizes[0] == sizes[1] == writer.path(1).stat().st_size > 0
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
 def test_synthetic_folder_rewritten_for_other_parameters(tmp_path: Path) -> None:
     root = tmp_path / "set"
     make_synthetic_jpegs(root, 12, 4, progress=False)
@@ -239,6 +261,8 @@ def test_synthetic_folder_rewritten_for_other_parameters(tmp_path: Path) -> None
     make_synthetic_jpegs(root, 6, 2, progress=False)  # fewer images, fewer classes
     folder = ImageFolder(root)
     assert len(folder) == 6 and folder.classes == ["class_00", "class_01"]
+    (root / "class_01" / ".00005.jpg.999-1.tmp").write_bytes(b"half a JPEG")  # an interrupted write
     (root / ".complete").write_text("12 4 0")  # the marker an older generator wrote
     make_synthetic_jpegs(root, 12, 4, progress=False)
     assert _tree_bytes(root) == first
+    assert not list(root.rglob("*.tmp"))

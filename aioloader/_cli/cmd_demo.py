@@ -28,7 +28,8 @@ def _writing_on(pool: WorkerPool) -> Callable[[JpegWriter], Iterator[list[int]]]
     """A ``run`` for :func:`make_synthetic_jpegs` that writes the files on ``pool``."""
 
     def run(writer: JpegWriter) -> Iterator[list[int]]:
-        with DataLoader(writer, 16, pool=pool, collate_fn=list, seed_samples=False) as loader:
+        # One pass: building the next epoch ahead would write every file twice.
+        with DataLoader(writer, 16, pool=pool, collate_fn=list, seed_samples=False, prefetch_next_epoch=False) as loader:
             yield from loader
 
     return run

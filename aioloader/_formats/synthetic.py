@@ -16,6 +16,7 @@ about five times faster. The files can be written by several processes at once (
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -84,8 +85,10 @@ class JpegWriter:
     """Map-style dataset whose sample ``k`` writes image ``k`` and returns its size in bytes.
 
     Load it with any loader to write the set in parallel. Each file is written under a
-    hidden temporary name and renamed into place, so an interrupted run never leaves a
-    truncated JPEG where :class:`~aioloader.datasets.ImageFolder` would find it.
+    hidden temporary name of its own writer (process and thread) and renamed into place,
+    so an interrupted run never leaves a truncated JPEG where
+    :class:`~aioloader.datasets.ImageFolder` would find it, and two writers of the same
+    image (a loader that builds the next epoch ahead of time) never trip over each other.
     """
 
     def __init__(self, root: StrPath, count: int, classes: int, seed: int) -> None:
@@ -105,7 +108,7 @@ class JpegWriter:
         if not 0 <= k < self.count:
             raise IndexError(f"image {k} out of range for {self.count} images")
         path = self.path(k)
-        tmp = path.with_name(f".{path.name}.tmp")
+        tmp = path.with_name(f".{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
         synthetic_image(k, self.seed).save(tmp, format="JPEG", quality=90)
         os.replace(tmp, path)
         return path.stat().st_size
@@ -123,6 +126,9 @@ def _remove_strays(writer: JpegWriter) -> None:
         if not folder.is_dir():
             continue
         for f in folder.iterdir():
+            if f.name.startswith(".") and f.suffix == ".tmp":  # left by an interrupted run
+                f.unlink(missing_ok=True)
+                continue
             if f.suffix != ".jpg" or not f.stem.isdigit():
                 continue
             k = int(f.stem)
