@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import hashlib
 import concurrent.futures
+import hashlib
 import io
 import json
 import os
