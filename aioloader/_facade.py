@@ -25,6 +25,7 @@ import enum
 import os
 import pickle
 import threading
+import time
 import uuid
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -232,8 +233,12 @@ class LoaderBase:
                 self._install_inline(ctx)
             else:
                 share = self._pool.kind == "process" and _dataseg.sharing_enabled()
+                t0 = time.monotonic_ns()
                 payload, segment = pickle_for_workers(ctx, self._pickled_parts(), self._kind, share=share)
                 self._shared.payload, self._shared.segment = payload, segment
+                rec = self._recorder
+                rec.payload_ns, rec.payload_bytes = time.monotonic_ns() - t0, len(payload)
+                rec.shared_bytes = segment.size if segment is not None else 0
                 self._pool.register(self._token, payload)
             self._state = Lifecycle.OPEN
 

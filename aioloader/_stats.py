@@ -75,6 +75,13 @@ class LoaderStats:
     active_s: float = 0.0
     """Seconds spent iterating: from the start of each epoch to its latest batch, with
     overlapping epochs counted once (the time between epochs is left out)."""
+    payload_bytes: int = 0
+    """Bytes of the pickled worker context (dataset, ``collate_fn``, ...) sent to each worker."""
+    shared_bytes: int = 0
+    """Bytes of its large arrays that went to the workers through one shared-memory
+    segment instead (mapped by every worker, not copied)."""
+    payload_s: float = 0.0
+    """Seconds the consumer spent pickling the worker context (and writing the segment)."""
 
     @property
     def batches_per_s(self) -> float | None:
@@ -102,7 +109,9 @@ class LoaderStats:
             f"  first batch ms by epoch: {firsts}\n"
             f"  batch latency ms p50/p99: {fmt_ms(self.latency_p50_s, self.latency_p99_s)}\n"
             f"  workers busy: {fmt_share(self.worker_busy)}\n"
-            f"  retries {self.retries}, pool restarts {self.restarts}, skipped samples {self.skipped}"
+            f"  retries {self.retries}, pool restarts {self.restarts}, skipped samples {self.skipped}\n"
+            f"  dataset to workers: {_mib(self.payload_bytes)} pickled, {_mib(self.shared_bytes)} shared, "
+            f"in {self.payload_s * 1000:.0f} ms"
         )
 
     def __repr__(self) -> str:
@@ -115,6 +124,10 @@ class LoaderStats:
 
 
 _FIRSTS_SHOWN = 5
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 1024:.0f} KiB"
 
 
 @dataclass
@@ -138,6 +151,9 @@ class Recorder:
     skipped: int = 0
     in_flight: int = 0
     busy_ns: int = 0
+    payload_bytes: int = 0
+    shared_bytes: int = 0
+    payload_ns: int = 0
     first_submit_ns: int | None = None
     workers_seen: set[int] = field(default_factory=set)
     latencies: deque[int] = field(default_factory=lambda: deque(maxlen=10_000))
@@ -203,6 +219,9 @@ class Recorder:
             retries=self.retries,
             restarts=restarts,
             skipped=self.skipped,
+            payload_bytes=self.payload_bytes,
+            shared_bytes=self.shared_bytes,
+            payload_s=self.payload_ns / 1e9,
         )
 
 

@@ -53,6 +53,9 @@ def test_workers_map_one_copy_of_the_array(mode: str) -> None:
         assert sorted(int(b[0][0]) for b in batches) == list(range(16))
         assert {int(b[0][1]) for b in batches} == {expected}
         name = _one_segment()
+        st = loader.stats()
+        assert st.shared_bytes >= 16 * MIB and st.payload_bytes < MIB, st
+        assert "MiB shared" in str(st)
         workers = loader.worker_pids()
         used = {int(b[0][2]) for b in batches}
         assert used <= set(workers)
@@ -100,6 +103,7 @@ def test_without_sharing_every_worker_holds_a_copy(monkeypatch: pytest.MonkeyPat
     with DataLoader(A.ArrayDataset(16, n=8), batch_size=1, num_workers=2) as loader:
         used = {int(b[0][2]) for b in loader}
         assert not A.segment_names(os.getpid())
+        assert loader.stats().shared_bytes == 0 and loader.stats().payload_bytes >= 16 * MIB
         for pid in used:
             assert A.rollup(pid)["Pss_Anon"] >= 16 * MIB
 

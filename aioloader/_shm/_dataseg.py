@@ -138,9 +138,9 @@ class DataSegment:
         fd = os.open(_names.path(self.name), flags, 0o600)
         self._finalizer = weakref.finalize(self, _unlink, self.name)
         try:
-            # Reserved first: a tmpfs that runs out while being written is a SIGBUS in
-            # whoever maps it later; ENOSPC here is an error we fall back from.
-            os.posix_fallocate(fd, 0, self.size)
+            # Written with pwrite, not through a mapping: a full tmpfs is an ENOSPC here,
+            # which we fall back from, not a SIGBUS; and no page is zeroed first.
+            os.ftruncate(fd, self.size)
             for buf, (offset, n) in zip(buffers, spans, strict=True):
                 _write_all(fd, buf.raw(), offset, n)
             for addr, n, offset in adopted:

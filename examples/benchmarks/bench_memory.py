@@ -8,7 +8,8 @@ proportional set size (``Pss``, from ``/proc/PID/smaps_rollup``) of the main pro
 of each worker, and reports their sum: shared pages are split between the processes
 that map them, so the sum is the memory the run really costs. It also times the first
 batch, whose one sample reads nothing: worker start-up plus the dataset's trip to the
-workers.
+workers; for aioloader, "pickling" is the part of it the consumer spent pickling the
+dataset and writing its arrays to shared memory (``loader.stats().payload_s``).
 
 Cases:
 
@@ -85,12 +86,14 @@ def main():
     for b in it:
         pids.add(int(b[0][1] if b.ndim > 1 else b[1]))
     epoch_s = time.perf_counter() - t0
+    payload_s = None
     if case.startswith("aioloader"):
         pids = set(loader.worker_pids())
+        payload_s = loader.stats().payload_s
     main_pss = pss(os.getpid())
     worker_pss = sorted(pss(p) for p in pids)
     print(json.dumps({"case": case, "mib": mib, "workers": workers, "workers_seen": len(pids),
-                      "first_batch_s": first_s, "epoch_s": epoch_s, "main_pss": main_pss,
+                      "first_batch_s": first_s, "payload_s": payload_s, "epoch_s": epoch_s, "main_pss": main_pss,
                       "worker_pss": worker_pss, "total_pss": main_pss + sum(worker_pss)}), flush=True)
     if case.startswith("aioloader"):
         loader.close()
@@ -120,6 +123,10 @@ def run_case(case: str, mib: int, workers: int) -> dict[str, Any]:
     return result
 
 
+def _secs(s: float | None) -> str:
+    return "-" if s is None else f"{s:.2f} s"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mib", type=int, nargs="+", default=[64, 1024], help="array sizes in MiB")
@@ -129,7 +136,7 @@ def main() -> None:
     args = parser.parse_args()
     results = []
     print(f"{'case':<15} {'array':>8} {'workers':>7} {'total PSS':>10} {'main':>8} {'per worker':>11}"
-          f" {'first batch':>11} {'epoch':>8}")
+          f" {'first batch':>11} {'pickling':>8} {'epoch':>8}")
     for mib in args.mib:
         for case in args.cases:
             r = run_case(case, mib, args.workers)
@@ -137,7 +144,7 @@ def main() -> None:
             per = r["worker_pss"][len(r["worker_pss"]) // 2] if r["worker_pss"] else 0
             print(f"{case:<15} {mib:>5} MiB {r['workers_seen']:>7} {r['total_pss'] / 2**20:>6.0f} MiB"
                   f" {r['main_pss'] / 2**20:>4.0f} MiB {per / 2**20:>7.0f} MiB"
-                  f" {r['first_batch_s']:>9.2f} s {r['epoch_s']:>6.2f} s", flush=True)
+                  f" {r['first_batch_s']:>9.2f} s {_secs(r['payload_s']):>8} {r['epoch_s']:>6.2f} s", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
