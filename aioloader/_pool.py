@@ -7,7 +7,9 @@ after a worker dies, and is shut down by :meth:`WorkerPool.close` (or its finali
 A borrowed executor is never shut down or rebuilt by aioloader. Why private attributes of ``ProcessPoolExecutor`` are read here: before Python 3.14 the
 public API offers no way to learn which processes a pool runs, to tell which one died,
 or to stop a worker stuck in a task. We read ``_processes`` (pid → Process) and kill
-processes ourselves, only on pools we created.
+processes ourselves, only on pools we created; and we call ``_launch_processes`` before
+the first submit, so that every worker starts at once (the executor otherwise spawns one
+per submit that finds no idle worker, and can stay short of ``num_workers``).
 """
 
 from __future__ import annotations
@@ -227,10 +229,17 @@ class WorkerPool:
         gen = self.current()
         with gen.lock:
             if not gen.started:
-                gen.started = True
                 if self.kind == "process":
+                    # On its own the executor spawns a process per submit that finds no
+                    # idle one, so quick first tasks can leave it short of num_workers.
+                    launch = getattr(gen.executor, "_launch_processes", None)
+                    if launch is not None and getattr(gen.executor, "_executor_manager_thread", None) is None:
+                        launch()
                     for _ in range(self.num_workers):
                         gen.executor.submit(_worker.noop)
+                # Only now: a task submitted while the processes were being launched would
+                # make the executor spawn one more for itself.
+                gen.started = True
         return gen
 
     def submit(self, gen: Generation, fn: Callable[..., Any], *args: Any) -> cf.Future[Any]:

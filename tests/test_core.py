@@ -146,6 +146,18 @@ def test_worker_pids_persist_across_epochs_and_iterators() -> None:
     assert os.getpid() not in sample_pids
 
 
+def test_the_pool_starts_exactly_num_workers_processes() -> None:
+    # The executor spawns a process per submit that finds no idle one: left to itself it
+    # stayed short of num_workers when the first tasks were quick (7 of 8 in a benchmark),
+    # and processes launched while tasks were already being submitted overshot it.
+    for _ in range(3):
+        with aioloader.DataLoader(PidDataset(24), 1, num_workers=4) as loader:
+            next(iter(loader))
+            assert len(loader.worker_pids()) == 4
+            executor = loader._pool._gen.executor  # type: ignore[union-attr]
+            assert len(executor._processes) == 4
+
+
 @pytest.mark.parametrize("prefetch", [1, 3])
 def test_in_flight_bound_recorded_in_workers(collect, tmp_path: Path, prefetch: int) -> None:
     """Batches fetched (seen from inside the workers) minus batches taken never exceed
