@@ -34,12 +34,59 @@ from typing import Any, NamedTuple
 from ._shm._dataseg import SharedPayload
 from .errors import DatasetPickleError
 
-__all__ = ["ByValue", "drop_fake_main_file", "dumps_by_value", "loads_payload", "main_is_interactive"]
+__all__ = [
+    "ByValue",
+    "Inherited",
+    "drop_fake_main_file",
+    "dumps_by_value",
+    "inheritance_only",
+    "loads_payload",
+    "main_is_interactive",
+    "pickles_at_process_start",
+]
 
 
 class ByValue(NamedTuple):
     context: Any
     main_objects: dict[str, Any]  # qualified name in __main__ -> class or function
+
+
+class Inherited(NamedTuple):
+    """A payload that holds ``multiprocessing`` primitives (``Value``, ``Lock``,
+    ``Queue``, ...). Those pickle only while a process is being started, so it reaches
+    the workers as the pool's initializer argument, which multiprocessing pickles then,
+    never as bytes made in advance. It arrives in the worker already unpickled."""
+
+    context: Any
+
+
+def inheritance_only(exc: BaseException) -> bool:
+    """Did pickling fail only because an object may reach a process when it starts?"""
+    return isinstance(exc, RuntimeError) and "through inheritance" in str(exc)
+
+
+class _SpawningProbe:
+    """Stands in for a process being started while a payload is test-pickled, so that
+    primitives that pickle only then pickle (their file descriptors are not sent)."""
+
+    def duplicate_for_child(self, fd: int) -> int:
+        return fd
+
+    def DupFd(self, fd: int) -> int:  # multiprocessing's own name
+        return fd
+
+
+def pickles_at_process_start(obj: object) -> None:
+    """Pickle ``obj`` as multiprocessing will when a worker starts; raises what that
+    would raise (a primitive of another start method, an unpicklable member)."""
+    from multiprocessing import context, reduction
+
+    previous = context.get_spawning_popen()
+    context.set_spawning_popen(_SpawningProbe())  # type: ignore[arg-type]
+    try:
+        reduction.ForkingPickler.dumps(obj)
+    finally:
+        context.set_spawning_popen(previous)
 
 
 # Names this worker bound in its __main__ (a later loader may rebind them, as a notebook
@@ -96,9 +143,11 @@ def dumps_by_value(obj: object, buffer_callback: Callable[[pickle.PickleBuffer],
     return buf.getvalue()
 
 
-def loads_payload(payload: bytes) -> Any:
+def loads_payload(payload: bytes | Inherited) -> Any:
     """Unpickle a payload in a worker; a failure becomes a :class:`DatasetPickleError`
     whose message, ``remote_traceback`` and ``__cause__`` carry the worker's exception."""
+    if isinstance(payload, Inherited):
+        return payload.context
     try:
         obj = pickle.loads(payload)
         if isinstance(obj, SharedPayload):  # its large arrays wait in a data segment

@@ -79,8 +79,8 @@ class Shared:
 
 
 def pickle_for_workers(
-    whole: object, parts: Sequence[tuple[str, object]], owner: str, *, share: bool = False
-) -> tuple[bytes, DataSegment | None]:
+    whole: object, parts: Sequence[tuple[str, object]], owner: str, *, share: bool = False, inherit: str | None = None
+) -> tuple[bytes | _byvalue.Inherited, DataSegment | None]:
     """Pickle ``whole`` once for the workers; if that fails, find the culprit among
     ``parts`` and raise :class:`DatasetPickleError` naming it and the fix.
 
@@ -92,13 +92,21 @@ def pickle_for_workers(
     With ``share``, large numpy arrays go out of band into one data segment that every
     worker maps (:mod:`aioloader._shm._dataseg`); the segment comes back with the bytes,
     and the caller unlinks it when the workers no longer need it.
+
+    ``multiprocessing`` primitives (``Value``, ``Lock``, ``Queue``) pickle only while a
+    process starts. With ``inherit``, the start method of an owned process pool, a context
+    holding them comes back as :class:`~aioloader._byvalue.Inherited`, for the pool to
+    pass to its workers when they start; without, that is a :class:`DatasetPickleError`
+    saying so.
     """
     buffers: list[pickle.PickleBuffer] = []
     callback = _dataseg.collector(buffers) if share else None
     data: bytes | None
     try:
         data = pickle.dumps(whole, protocol=pickle.HIGHEST_PROTOCOL, buffer_callback=callback)
-    except Exception:
+    except Exception as exc:
+        if _byvalue.inheritance_only(exc):
+            return _inherited(whole, parts, owner, exc, inherit), None
         data = None
     # A reference to ``__main__`` names the module in the pickle; a false positive
     # (that string inside the data) only costs a by-value pickle.
@@ -111,6 +119,39 @@ def pickle_for_workers(
             return shared
         return pickle_for_workers(whole, parts, owner)
     return data, None
+
+
+def _inherited(
+    whole: object, parts: Sequence[tuple[str, object]], owner: str, exc: BaseException, inherit: str | None
+) -> _byvalue.Inherited:
+    if inherit is None:
+        raise DatasetPickleError(
+            f"the {owner}'s worker context holds a multiprocessing primitive ({exc}). Such objects "
+            "reach a process only when it starts: the loader's own process pool passes them to its "
+            "workers then, a borrowed executor cannot. Use num_workers= instead of executor=, or "
+            "num_workers=0."
+        ) from exc
+    if inherit == "fork":  # a forked worker inherits the objects themselves: no pickling
+        return _byvalue.Inherited(whole)
+    try:
+        _byvalue.pickles_at_process_start(whole)
+    except Exception as failed:
+        culprit = next((f"{name} ({type(obj).__name__})" for name, obj in parts if _fails_at_start(obj)), "context")
+        raise DatasetPickleError(
+            f"the {owner}'s {culprit} cannot reach the worker processes even when they start: "
+            f"{type(failed).__name__}: {str(failed).rstrip('.')}. A primitive made by another start method than the "
+            "pool's cannot: create it with multiprocessing.get_context(<the loader's mp_context>) "
+            "(forkserver by default), or pass that start method as mp_context."
+        ) from failed
+    return _byvalue.Inherited(whole)
+
+
+def _fails_at_start(obj: object) -> bool:
+    try:
+        _byvalue.pickles_at_process_start(obj)
+    except Exception:
+        return True
+    return False
 
 
 def _by_value(
@@ -232,12 +273,21 @@ class LoaderBase:
             if self._pool.kind == "thread":
                 self._install_inline(ctx)
             else:
-                share = self._pool.kind == "process" and _dataseg.sharing_enabled()
+                own = self._pool.kind == "process"
                 t0 = time.monotonic_ns()
-                payload, segment = pickle_for_workers(ctx, self._pickled_parts(), self._kind, share=share)
-                self._shared.payload, self._shared.segment = payload, segment
+                payload, segment = pickle_for_workers(
+                    ctx,
+                    self._pickled_parts(),
+                    self._kind,
+                    share=own and _dataseg.sharing_enabled(),
+                    inherit=self._pool.start_method if own else None,
+                )
+                # An inherited payload reaches workers only as they start (never in a task).
+                self._shared.payload = payload if isinstance(payload, bytes) else None
+                self._shared.segment = segment
                 rec = self._recorder
-                rec.payload_ns, rec.payload_bytes = time.monotonic_ns() - t0, len(payload)
+                rec.payload_ns = time.monotonic_ns() - t0
+                rec.payload_bytes = len(payload) if isinstance(payload, bytes) else 0
                 rec.shared_bytes = segment.size if segment is not None else 0
                 self._pool.register(self._token, payload)
             self._state = Lifecycle.OPEN

@@ -80,6 +80,7 @@ class Generation:
     started: bool = False
     owned: bool = True
     lock: threading.Lock = field(default_factory=threading.Lock)
+    tokens: frozenset[str] = frozenset()  # the payloads its workers receive when they start
 
     def running_tasks(self) -> dict[int, tuple[int, int]]:
         """task_id -> (pid, start_ns) of the tasks the workers are computing now."""
@@ -129,7 +130,7 @@ class WorkerPool:
         self.num_workers = num_workers
         self._context = resolve_context(mp_context) if self.kind == "process" else None
         self._external = executor
-        self._payloads: dict[str, bytes] = {}
+        self._payloads: dict[str, bytes | _byvalue.Inherited] = {}
         self._lock = threading.RLock()
         self._gen: Generation | None = None
         self._gen_count = 0
@@ -163,10 +164,24 @@ class WorkerPool:
         return self._context.get_start_method() if self._context is not None else None
 
     # ------------------------------------------------------------------ payloads
-    def register(self, token: str, payload: bytes) -> None:
-        """Make a loader's payload known to every future worker of this pool."""
+    def register(self, token: str, payload: bytes | _byvalue.Inherited) -> None:
+        """Make a loader's payload known to every future worker of this pool.
+
+        An :class:`~aioloader._byvalue.Inherited` payload can reach a worker only as it
+        starts: if the live generation has started without it, it is retired, and its
+        tasks run again on the next one, which has it (no task counts this as a crash)."""
+        retired = None
         with self._lock:
             self._payloads[token] = payload
+            gen = self._gen
+            if isinstance(payload, _byvalue.Inherited) and gen is not None and token not in gen.tokens:
+                gen.crash = CrashInfo({}, {}, known=True)  # nobody's fault: no task is charged
+                self._gen = None
+                self._box[0] = None
+                self.restarts += 1
+                retired = gen
+        if retired is not None:
+            _retire(retired, grace=0.0)
 
     def unregister(self, token: str) -> None:
         with self._lock:
@@ -211,7 +226,9 @@ class WorkerPool:
             initargs=(dict(self._payloads), table, lock, counter, n, os.getpid()),
         )
         view = np.frombuffer(table, dtype=np.int64)
-        return Generation(self._gen_count, pex, processes=pex._processes, table=view)
+        return Generation(
+            self._gen_count, pex, processes=pex._processes, table=view, tokens=frozenset(self._payloads)
+        )
 
     def started_generation(self) -> Generation | None:
         """The live generation if it is created and started, else ``None`` (never blocks:

@@ -167,7 +167,7 @@ def forget_context(token: str) -> None:
 _load_errors: dict[str, BaseException] = {}
 
 
-def _load_payload(token: str, payload: bytes) -> WorkerContext:
+def _load_payload(token: str, payload: bytes | _byvalue.Inherited) -> WorkerContext:
     """Unpickle and install a payload; raises :class:`DatasetPickleError` if it cannot."""
     ctx: WorkerContext = _byvalue.loads_payload(payload)
     install_context(token, ctx)
@@ -221,7 +221,12 @@ def _run_init(ctx: WorkerContext) -> None:
 
 
 def pool_initializer(
-    payloads: dict[str, bytes], table: Any, lock: Any, counter: Any, max_slots: int, consumer_pid: int = 0
+    payloads: dict[str, bytes | _byvalue.Inherited],
+    table: Any,
+    lock: Any,
+    counter: Any,
+    max_slots: int,
+    consumer_pid: int = 0,
 ) -> None:
     """Initializer of an owned process pool: one call per worker process."""
     global _slot_table, _slot, _worker_id, _num_workers

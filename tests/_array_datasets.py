@@ -102,3 +102,22 @@ if __name__ == "__main__":
         print(" ".join(map(str, loader.worker_pids())), flush=True)
         sys.stdin.read()  # until the test kills this process
 """
+
+
+class CountingDataset:
+    """Counts the samples built, in every worker, in one ``multiprocessing.Value``; also
+    takes a ``multiprocessing`` lock around its own work (two primitives torch passes to
+    its workers at process start)."""
+
+    def __init__(self, n: int, counter: Any, lock: Any) -> None:
+        self.n = n
+        self.counter = counter
+        self.lock = lock
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        with self.lock, self.counter.get_lock():
+            self.counter.value += 1
+        return i
