@@ -75,6 +75,20 @@ class LoaderStats:
     active_s: float = 0.0
     """Seconds spent iterating: from the start of each epoch to its latest batch, with
     overlapping epochs counted once (the time between epochs is left out)."""
+    fetches: int = 0
+    """Samples fetched by ``fetch=`` (successful fetches; retries not counted)."""
+    fetch_retries: int = 0
+    """Fetches retried after a transient failure."""
+    fetch_bytes: int = 0
+    """Bytes those fetches returned (as weighed against ``io_buffer``)."""
+    fetch_peak_in_flight: int = 0
+    """The most fetches running at once (at most ``io_concurrency``)."""
+    fetch_wait_s: float = 0.0
+    """Seconds batches spent waiting for their fetches, summed over batches (batches
+    fetched at the same time each count their own wait)."""
+    fetch_buffer_peak_bytes: int = 0
+    """The most fetched bytes held at once before being handed to workers (bounded by
+    ``io_buffer`` plus one batch)."""
 
     @property
     def batches_per_s(self) -> float | None:
@@ -103,6 +117,16 @@ class LoaderStats:
             f"  batch latency ms p50/p99: {fmt_ms(self.latency_p50_s, self.latency_p99_s)}\n"
             f"  workers busy: {fmt_share(self.worker_busy)}\n"
             f"  retries {self.retries}, pool restarts {self.restarts}, skipped samples {self.skipped}"
+            + self._fetch_line()
+        )
+
+    def _fetch_line(self) -> str:
+        if not self.fetches and not self.fetch_retries:
+            return ""
+        return (
+            f"\n  fetches: {self.fetches} ({_mib(self.fetch_bytes)} MiB), {self.fetch_retries} retried, "
+            f"peak {self.fetch_peak_in_flight} in flight, peak buffer {_mib(self.fetch_buffer_peak_bytes)} MiB, "
+            f"batches waited {self.fetch_wait_s:.2f} s on fetches"
         )
 
     def __repr__(self) -> str:
@@ -115,6 +139,10 @@ class LoaderStats:
 
 
 _FIRSTS_SHOWN = 5
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):,.1f}"
 
 
 @dataclass
@@ -143,6 +171,13 @@ class Recorder:
     latencies: deque[int] = field(default_factory=lambda: deque(maxlen=10_000))
     epochs: deque[_Epoch] = field(default_factory=lambda: deque(maxlen=1_000))
     tracer: Tracer | None = None
+    # the fetch stage's figures (see LoaderStats)
+    fetches: int = 0
+    fetch_retries: int = 0
+    fetch_bytes: int = 0
+    fetch_peak: int = 0
+    fetch_wait_ns: int = 0
+    fetch_buffer_peak: int = 0
 
     def epoch_started(self, epoch: int) -> _Epoch:
         rec = _Epoch(epoch, time.monotonic_ns())
@@ -203,6 +238,12 @@ class Recorder:
             retries=self.retries,
             restarts=restarts,
             skipped=self.skipped,
+            fetches=self.fetches,
+            fetch_retries=self.fetch_retries,
+            fetch_bytes=self.fetch_bytes,
+            fetch_peak_in_flight=self.fetch_peak,
+            fetch_wait_s=self.fetch_wait_ns / 1e9,
+            fetch_buffer_peak_bytes=self.fetch_buffer_peak,
         )
 
 
