@@ -12,7 +12,8 @@ workers build earlier ones. Two bounds hold across the whole run: at most
 ``io_concurrency`` fetches are running (one semaphore), and fetched bytes that have not
 been handed to a worker yet stay under ``io_buffer``: a fetch starts only while the bytes
 held plus the in-flight fetches (each counted at the largest size seen so far) fit the
-budget. The oldest unit not yet dispatched is exempt, so the run always makes progress;
+budget (before the first fetch returns, while fewer than ``io_concurrency`` are in
+flight). The oldest unit not yet dispatched is exempt, so the run always makes progress:
 the budget is exceeded by at most that one unit (and by results larger than any before).
 
 The values stay with the unit once fetched: a worker crash resubmits them (no refetch).
@@ -184,7 +185,7 @@ class FetchStage:
         self.admitted = 0  # fetches past the budget check, not yet finished
         self.running = 0  # fetches holding the semaphore
         self.largest = 0  # the largest value seen: what an in-flight fetch may add
-        self.sized = False  # a fetch finished: until then only the oldest unit fetches
+        self.sized = False  # a fetch finished; until then at most io_concurrency are admitted
         self.units: OrderedDict[int, _UnitState] = OrderedDict()  # being fetched or waiting to dispatch
         self._changed: asyncio.Future[None] | None = None
         self._rng = random.Random()
@@ -205,6 +206,7 @@ class FetchStage:
         while not (
             next(iter(self.units), None) == uid
             or (self.sized and self.buffered + (self.admitted + 1) * self.largest <= cfg.budget)
+            or (not self.sized and self.admitted < cfg.concurrency)
         ):
             if self._changed is None:
                 self._changed = self.loop.create_future()
