@@ -10,12 +10,13 @@ import os
 import time
 from collections import deque
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 import numpy as np
 
 from ._trace import Tracer
 
-__all__ = ["EpochStats", "LoaderStats", "Recorder", "fmt_ms", "fmt_share"]
+__all__ = ["EpochStats", "FetchCounters", "LoaderStats", "Recorder", "fmt_ms", "fmt_share"]
 
 
 def fmt_ms(*seconds: float | None) -> str:
@@ -155,6 +156,15 @@ class _Epoch:
     last_ns: int | None = None
 
 
+class FetchCounters:
+    """The fetch stage's figures (see :class:`LoaderStats`), kept by the stage itself."""
+
+    __slots__ = ("buffer_peak", "bytes", "done", "peak", "retries", "wait_ns")
+
+    def __init__(self) -> None:
+        self.done = self.retries = self.bytes = self.peak = self.wait_ns = self.buffer_peak = 0
+
+
 @dataclass
 class Recorder:
     """Mutable counters behind :class:`LoaderStats`."""
@@ -171,13 +181,7 @@ class Recorder:
     latencies: deque[int] = field(default_factory=lambda: deque(maxlen=10_000))
     epochs: deque[_Epoch] = field(default_factory=lambda: deque(maxlen=1_000))
     tracer: Tracer | None = None
-    # the fetch stage's figures (see LoaderStats)
-    fetches: int = 0
-    fetch_retries: int = 0
-    fetch_bytes: int = 0
-    fetch_peak: int = 0
-    fetch_wait_ns: int = 0
-    fetch_buffer_peak: int = 0
+    fetch: FetchCounters = field(default_factory=lambda: FetchCounters())
 
     def epoch_started(self, epoch: int) -> _Epoch:
         rec = _Epoch(epoch, time.monotonic_ns())
@@ -211,6 +215,9 @@ class Recorder:
         if self.tracer is not None:
             self.tracer.span(f"wait (epoch {ep.epoch})", os.getpid(), "consumer", now - waited_ns, now)
 
+    def _fetch_figures(self) -> dict[str, Any]:
+        return _fetch_figures_of(self.fetch)
+
     def snapshot(self, restarts: int, concurrency: int) -> LoaderStats:
         lat = np.fromiter(list(self.latencies), dtype=np.int64)
         p50 = p99 = None
@@ -238,13 +245,15 @@ class Recorder:
             retries=self.retries,
             restarts=restarts,
             skipped=self.skipped,
-            fetches=self.fetches,
-            fetch_retries=self.fetch_retries,
-            fetch_bytes=self.fetch_bytes,
-            fetch_peak_in_flight=self.fetch_peak,
-            fetch_wait_s=self.fetch_wait_ns / 1e9,
-            fetch_buffer_peak_bytes=self.fetch_buffer_peak,
+            **self._fetch_figures(),
         )
+
+
+def _fetch_figures_of(f: FetchCounters) -> dict[str, Any]:
+    return {
+        "fetches": f.done, "fetch_retries": f.retries, "fetch_bytes": f.bytes, "fetch_peak_in_flight": f.peak,
+        "fetch_wait_s": f.wait_ns / 1e9, "fetch_buffer_peak_bytes": f.buffer_peak,
+    }  # fmt: skip
 
 
 def _active_ns(epochs: list[_Epoch]) -> int:

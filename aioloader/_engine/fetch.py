@@ -177,15 +177,14 @@ class FetchStage:
     """One run's fetch stage (see the module docstring). Lives on the run's loop."""
 
     def __init__(self, cfg: FetchConfig, recorder: Recorder) -> None:
-        self.cfg = cfg
-        self.recorder = recorder
-        self.loop = asyncio.get_running_loop()
+        self.cfg, self.recorder, self.loop = cfg, recorder, asyncio.get_running_loop()
         self.sem = asyncio.Semaphore(cfg.concurrency)
-        self.buffered = 0  # fetched bytes of units not yet handed to a worker
-        self.admitted = 0  # fetches past the budget check, not yet finished
-        self.running = 0  # fetches holding the semaphore
-        self.largest = 0  # the largest value seen: what an in-flight fetch may add
-        self.sized = False  # a fetch finished; until then at most io_concurrency are admitted
+        # buffered: fetched bytes of units not yet handed to a worker; admitted: fetches
+        # past the budget check, not yet finished; running: those holding the semaphore;
+        # largest: the largest value seen (what an in-flight fetch may add); sized: a
+        # fetch finished (until then at most io_concurrency are admitted).
+        self.buffered = self.admitted = self.running = self.largest = 0
+        self.sized = False
         self.units: OrderedDict[int, _UnitState] = OrderedDict()  # being fetched or waiting to dispatch
         self._changed: asyncio.Future[None] | None = None
         self._rng = random.Random()
@@ -237,7 +236,7 @@ class FetchStage:
             while True:
                 async with self.sem:
                     self.running += 1
-                    rec.fetch_peak = max(rec.fetch_peak, self.running)
+                    rec.fetch.peak = max(rec.fetch.peak, self.running)
                     try:
                         value = await self._call(item)
                         break
@@ -251,7 +250,7 @@ class FetchStage:
                     return self._failed(index, item, err, attempt)
                 delay = min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2**attempt) * (0.5 + self._rng.random())
                 attempt += 1
-                rec.fetch_retries += 1
+                rec.fetch.retries += 1
                 await asyncio.sleep(delay)
         finally:
             self.admitted -= 1
@@ -262,9 +261,9 @@ class FetchStage:
         if uid in self.units:
             state.bytes += size
             self.buffered += size
-            rec.fetch_buffer_peak = max(rec.fetch_buffer_peak, self.buffered)
-        rec.fetches += 1
-        rec.fetch_bytes += size
+            rec.fetch.buffer_peak = max(rec.fetch.buffer_peak, self.buffered)
+        rec.fetch.done += 1
+        rec.fetch.bytes += size
         return value
 
     def _failed(self, index: int, item: Any, exc: Exception, retries: int) -> _Failed:
@@ -296,7 +295,7 @@ class FetchStage:
             for index, item in zip(indices, unit.fetch_inputs(), strict=True):
                 tasks.append(self.loop.create_task(self._fetch_one(uid, state, index, item)))
             values = await _all_or_first_error(tasks)
-            self.recorder.fetch_wait_ns += time.monotonic_ns() - t0
+            self.recorder.fetch.wait_ns += time.monotonic_ns() - t0
             kept = [(i, v) for i, v in zip(indices, values, strict=True) if type(v) is not _Failed]
             skipped = tuple((v.position, v.why) for v in values if type(v) is _Failed)
             if not kept:
