@@ -203,6 +203,33 @@ def test_on_error_skip_drops_samples_whose_fetch_failed(server: Server, files: F
     assert st.skipped == 1 and st.samples == 7
 
 
+class _Keys:
+    """Keys of which one cannot be read (in the main process, where fetch= reads them)."""
+
+    def __init__(self, items: list[tuple[str, int]], bad: int) -> None:
+        self.items, self.bad = items, bad
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> tuple[str, int]:
+        if i == self.bad:
+            raise KeyError(f"no key {i}")
+        return self.items[i]
+
+
+def test_a_key_that_cannot_be_read_is_named_or_skipped(server: Server, files: Files) -> None:
+    keys = _Keys(files[1][:8], bad=6)
+    with aioloader.DataLoader(keys, batch_size=4, fetch=HttpFetch(server.base)) as dl:
+        with pytest.raises(KeyError) as info:
+            list(dl)
+    assert any("dataset[6] (sample index 6) in the main process" in n for n in info.value.__notes__)
+    with aioloader.DataLoader(keys, batch_size=4, fetch=HttpFetch(server.base), on_error="skip") as dl:
+        labels = [[int(x) for x in b] for _, b in dl]
+        assert dl.stats().skipped == 1
+    assert labels == [[0, 1, 2, 3], [4, 5, 7]]
+
+
 def test_timeout_bounds_each_fetch(server: Server, files: Files) -> None:
     items = list(files[1][:4])
     items[1] = (items[1][0] + "?latency_ms=60000", 1)  # answered only by the server's reset
@@ -232,7 +259,7 @@ def _slow_items(files: Files, n: int) -> list[tuple[str, int]]:
     return [(name if i < 4 else f"{name}?latency_ms=60000", i) for i, (name, _) in enumerate(root_items * 5)][:n]
 
 
-@pytest.mark.parametrize("how", ["for-break", "async-break", "close-from-thread"])
+@pytest.mark.parametrize("how", ["for-break", "async-break", "async-cancelled", "close-from-thread"])
 def test_break_and_close_with_many_fetches_in_flight(server: Server, files: Files, how: str) -> None:
     fetch = HttpFetch(server.base)
     dl = aioloader.DataLoader(_slow_items(files, 200), batch_size=4, prefetch=40, fetch=fetch, io_concurrency=100)
@@ -248,6 +275,22 @@ def test_break_and_close_with_many_fetches_in_flight(server: Server, files: File
             async for _ in dl:
                 await asyncio.to_thread(wait_until, in_flight, 10.0, "100 requests at the server")
                 break
+            await dl.aclose()
+            assert asyncio.all_tasks() == {asyncio.current_task()}
+
+        asyncio.run(main())
+    elif how == "async-cancelled":  # what Ctrl-C does to asyncio.run's main task
+
+        async def consume() -> None:
+            async for _ in dl:
+                pass
+
+        async def main() -> None:
+            task = asyncio.create_task(consume())
+            await asyncio.to_thread(wait_until, in_flight, 10.0, "100 requests at the server")
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
             await dl.aclose()
             assert asyncio.all_tasks() == {asyncio.current_task()}
 

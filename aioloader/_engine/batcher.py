@@ -51,8 +51,8 @@ class StreamUnit:
             side.token, task_id, self.key, self.first, self.items, payload, self.positions
         )
 
-    def fetch_inputs(self) -> list[Any]:
-        return self.items
+    def fetch_input(self, k: int, position: int) -> Any:
+        return self.items[k]
 
     def set_fetched(self, kept: list[int], values: list[Any]) -> None:
         """The items are fetched: ``kept`` source positions (those not skipped), their values."""

@@ -112,18 +112,14 @@ class EpochUnit:
             side.token, task_id, self.group, self.key, self._packed, side.seed, payload, self.values
         )
 
-    def fetch_inputs(self) -> list[Any]:
-        """The items to fetch: ``dataset[i]`` for each index, read here in the main process."""
-        keys = self._side.keys
-        out = []
-        for i in self.indices:
-            try:
-                out.append(keys[int(i)])
-            except Exception as exc:
-                add_note(exc, f"aioloader: raised by dataset[{int(i)}] (sample index {int(i)}) in the main process, "
-                         "where the dataset of a loader with fetch= is read")  # fmt: skip
-                raise
-        return out
+    def fetch_input(self, k: int, index: int) -> Any:
+        """What to fetch for sample ``index``: ``dataset[index]``, read here in the main process."""
+        try:
+            return self._side.keys[index]
+        except Exception as exc:
+            add_note(exc, f"aioloader: raised by dataset[{index}] (sample index {index}) in the main process, "
+                     "where the dataset of a loader with fetch= is read")  # fmt: skip
+            raise
 
     def set_fetched(self, kept: list[int], values: list[Any]) -> None:
         """The unit's samples are fetched: ``kept`` indices (those not skipped), their values."""

@@ -292,9 +292,19 @@ class FetchStage:
         tasks: list[asyncio.Task[Any]] = []
         try:
             indices = [int(i) for i in unit.indices]
-            for index, item in zip(indices, unit.fetch_inputs(), strict=True):
+            slots: list[Any] = []  # per item: its fetch task, or how reading the item failed
+            for k, index in enumerate(indices):
+                try:
+                    item = unit.fetch_input(k, index)
+                except Exception as exc:
+                    if not self.cfg.skip:
+                        raise
+                    slots.append(_Failed(index, f"{type(exc).__name__}: {exc}"))
+                    continue
                 tasks.append(self.loop.create_task(self._fetch_one(uid, state, index, item)))
-            values = await _all_or_first_error(tasks)
+                slots.append(tasks[-1])
+            await _all_or_first_error(tasks)
+            values = [s.result() if isinstance(s, asyncio.Task) else s for s in slots]
             self.recorder.fetch.wait_ns += time.monotonic_ns() - t0
             kept = [(i, v) for i, v in zip(indices, values, strict=True) if type(v) is not _Failed]
             skipped = tuple((v.position, v.why) for v in values if type(v) is _Failed)
@@ -330,13 +340,12 @@ class FetchStage:
             await self.owner.aclose()
 
 
-async def _all_or_first_error(tasks: list[asyncio.Task[Any]]) -> list[Any]:
-    """Every task's result, in order; the first exception as soon as one raises (the
-    caller cancels the rest)."""
+async def _all_or_first_error(tasks: list[asyncio.Task[Any]]) -> None:
+    """Wait for every task; raise the first exception as soon as one raises (the caller
+    cancels the rest)."""
     if not tasks:
-        return []
+        return
     done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
     for t in tasks:
         if t in done and not t.cancelled() and t.exception() is not None:
             raise t.exception()  # type: ignore[misc]
-    return [t.result() for t in tasks]
