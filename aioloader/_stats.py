@@ -126,7 +126,8 @@ class LoaderStats:
             return ""
         return (
             f"\n  fetches: {self.fetches} ({_mib(self.fetch_bytes)} MiB), {self.fetch_retries} retried, "
-            f"peak {self.fetch_peak_in_flight} in flight, peak buffer {_mib(self.fetch_buffer_peak_bytes)} MiB, "
+            f"peak {self.fetch_peak_in_flight} in flight\n"
+            f"  fetched bytes waiting for workers: peak {_mib(self.fetch_buffer_peak_bytes)} MiB; "
             f"batches waited {self.fetch_wait_s:.2f} s on fetches"
         )
 

@@ -86,6 +86,7 @@ def test_batches_equal_the_local_reference(
     assert server.stats()["counts"] == one_each(files[1])
     assert st.fetches == len(files[1]) and st.fetch_bytes == len(files[1]) * nbytes((b"x" * FILE_SIZE, 1))
     assert 1 <= st.fetch_peak_in_flight <= 16
+    assert f"fetches: {len(files[1])} " in str(st)
     assert fetch.closed >= 1 and not fetch.sessions  # the run closed its session on its loop
 
 
