@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import urllib.request
 import weakref
 from pathlib import Path
@@ -61,6 +62,14 @@ class HttpFetch:
         if session is not None:
             self.closed += 1
             await session.close()
+
+
+class LockedKeys(list):  # type: ignore[type-arg]
+    """A key list that cannot pickle (it holds a lock): with ``fetch=`` it never has to."""
+
+    def __init__(self, items: list[tuple[str, int]]) -> None:
+        super().__init__(items)
+        self.lock = threading.Lock()
 
 
 class LocalFiles:

@@ -26,6 +26,7 @@ from ._fetch_helpers import (
     CrashOnce,
     HttpFetch,
     LocalFiles,
+    LockedKeys,
     RemoteFiles,
     Server,
     add_one,
@@ -77,7 +78,7 @@ def test_batches_equal_the_local_reference(
     ref = reference(files, **kw)  # one thread: the per-sample seeds must not care
     fetch = HttpFetch(server.base)
     with aioloader.DataLoader(
-        files[1], fetch=fetch, transform=decode, num_workers=2, ordered=ordered,
+        LockedKeys(files[1]), fetch=fetch, transform=decode, num_workers=2, ordered=ordered,
         prefetch_next_epoch=False, io_concurrency=16, **kw,
     ) as dl:  # fmt: skip
         got = batches_key(collect(dl))
