@@ -154,6 +154,10 @@ class _Failed(NamedTuple):
     why: str
 
 
+class _TimedOut(TimeoutError):
+    """A try of a fetch ran past the loader's ``timeout`` (transient: retried)."""
+
+
 class _UnitState:
     __slots__ = ("bytes",)
 
@@ -226,7 +230,13 @@ class FetchStage:
         timeout = self.cfg.timeout
         if timeout is None:
             return await aw
-        return await asyncio.wait_for(aw, timeout)
+        start = self.loop.time()
+        try:
+            return await asyncio.wait_for(aw, timeout)
+        except (TimeoutError, asyncio.TimeoutError):
+            if self.loop.time() - start >= timeout:
+                raise _TimedOut() from None
+            raise  # the fetch's own timeout, before ours
 
     async def _fetch_one(self, uid: int, state: _UnitState, index: int, item: Any) -> Any:
         cfg, rec = self.cfg, self.recorder
@@ -268,7 +278,7 @@ class FetchStage:
 
     def _failed(self, index: int, item: Any, exc: Exception, retries: int) -> _Failed:
         tries = f" after {retries} retries" if retries else ""
-        if isinstance(exc, (TimeoutError, asyncio.TimeoutError)) and self.cfg.timeout is not None:
+        if isinstance(exc, _TimedOut):
             exc = LoaderTimeout(
                 f"fetch of sample index {index} (item {_describe(item)}) did not finish within "
                 f"timeout={self.cfg.timeout} s{tries}",
