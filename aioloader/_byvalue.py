@@ -28,8 +28,10 @@ import pickle
 import sys
 import traceback
 import types
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from ._shm._dataseg import SharedPayload
 from .errors import DatasetPickleError
 
 __all__ = ["ByValue", "drop_fake_main_file", "dumps_by_value", "loads_payload", "main_is_interactive"]
@@ -70,8 +72,9 @@ def drop_fake_main_file() -> None:
         del main.__file__  # type: ignore[union-attr]
 
 
-def dumps_by_value(obj: object) -> bytes:
-    """cloudpickle ``obj`` into a :class:`ByValue` envelope (consumer side)."""
+def dumps_by_value(obj: object, buffer_callback: Callable[[pickle.PickleBuffer], bool] | None = None) -> bytes:
+    """cloudpickle ``obj`` into a :class:`ByValue` envelope (consumer side);
+    ``buffer_callback`` as for :func:`pickle.dumps` (protocol 5 out-of-band buffers)."""
     # Imported by name: cloudpickle has no type information, and users' own strict mypy
     # runs must not trip over this module.
     cloudpickle: Any = importlib.import_module("cloudpickle")
@@ -89,7 +92,7 @@ def dumps_by_value(obj: object) -> bytes:
 
     buf = io.BytesIO()
     # The envelope's dict is pickled after the context, so it holds what the context used.
-    _Recording(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(ByValue(obj, found))
+    _Recording(buf, protocol=pickle.HIGHEST_PROTOCOL, buffer_callback=buffer_callback).dump(ByValue(obj, found))
     return buf.getvalue()
 
 
@@ -98,6 +101,8 @@ def loads_payload(payload: bytes) -> Any:
     whose message, ``remote_traceback`` and ``__cause__`` carry the worker's exception."""
     try:
         obj = pickle.loads(payload)
+        if isinstance(obj, SharedPayload):  # its large arrays wait in a data segment
+            obj = obj.load()
     except Exception as exc:
         raise unpickle_error(exc) from exc
     if isinstance(obj, ByValue):

@@ -25,9 +25,10 @@ import enum
 import os
 import pickle
 import threading
+import time
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from multiprocessing.context import BaseContext
 from typing import Any, ClassVar, Protocol, TypeVar
 
@@ -35,6 +36,8 @@ from . import _byvalue, _worker
 from ._engine.run import Run, closed_while_iterating
 from ._pool import WorkerPool
 from ._portal import Portal
+from ._shm import _dataseg
+from ._shm._dataseg import DataSegment
 from ._stats import LoaderStats, Recorder
 from ._trace import Tracer
 from ._transport import Transport, TransportKind, make_transport
@@ -66,6 +69,7 @@ class Shared:
     def __init__(self) -> None:
         self.closed = False
         self.payload: bytes | None = None
+        self.segment: DataSegment | None = None  # the payload's large arrays, if shared
 
     def is_closed(self) -> bool:
         return self.closed
@@ -74,7 +78,9 @@ class Shared:
         return self.payload
 
 
-def pickle_for_workers(whole: object, parts: Sequence[tuple[str, object]], owner: str) -> bytes:
+def pickle_for_workers(
+    whole: object, parts: Sequence[tuple[str, object]], owner: str, *, share: bool = False
+) -> tuple[bytes, DataSegment | None]:
     """Pickle ``whole`` once for the workers; if that fails, find the culprit among
     ``parts`` and raise :class:`DatasetPickleError` naming it and the fix.
 
@@ -82,18 +88,36 @@ def pickle_for_workers(whole: object, parts: Sequence[tuple[str, object]], owner
     goes by value, through cloudpickle: lambdas, local functions and classes, and
     anything defined in an interactive ``__main__`` (a notebook cell, ``python -``,
     ``python -c``), which worker processes do not have.
+
+    With ``share``, large numpy arrays go out of band into one data segment that every
+    worker maps (:mod:`aioloader._shm._dataseg`); the segment comes back with the bytes,
+    and the caller unlinks it when the workers no longer need it.
     """
+    buffers: list[pickle.PickleBuffer] = []
+    callback = _dataseg.collector(buffers) if share else None
+    data: bytes | None
     try:
-        data = pickle.dumps(whole, protocol=pickle.HIGHEST_PROTOCOL)
+        data = pickle.dumps(whole, protocol=pickle.HIGHEST_PROTOCOL, buffer_callback=callback)
     except Exception:
-        pass
-    else:
-        # A reference to ``__main__`` names the module in the pickle; a false positive
-        # (that string inside the data) only costs a by-value pickle.
-        if not (b"__main__" in data and _byvalue.main_is_interactive()):
-            return data
+        data = None
+    # A reference to ``__main__`` names the module in the pickle; a false positive
+    # (that string inside the data) only costs a by-value pickle.
+    if data is None or (b"__main__" in data and _byvalue.main_is_interactive()):
+        buffers.clear()
+        data = _by_value(whole, parts, owner, callback)
+    if buffers:
+        shared = _dataseg.share(data, buffers, owner)
+        if shared is not None:
+            return shared
+        return pickle_for_workers(whole, parts, owner)
+    return data, None
+
+
+def _by_value(
+    whole: object, parts: Sequence[tuple[str, object]], owner: str, callback: Callable[[Any], bool] | None
+) -> bytes:
     try:
-        return _byvalue.dumps_by_value(whole)
+        return _byvalue.dumps_by_value(whole, callback)
     except Exception as exc:
         for name, obj in parts:
             try:
@@ -208,8 +232,14 @@ class LoaderBase:
             if self._pool.kind == "thread":
                 self._install_inline(ctx)
             else:
-                self._shared.payload = pickle_for_workers(ctx, self._pickled_parts(), self._kind)
-                self._pool.register(self._token, self._shared.payload)
+                share = self._pool.kind == "process" and _dataseg.sharing_enabled()
+                t0 = time.monotonic_ns()
+                payload, segment = pickle_for_workers(ctx, self._pickled_parts(), self._kind, share=share)
+                self._shared.payload, self._shared.segment = payload, segment
+                rec = self._recorder
+                rec.payload_ns, rec.payload_bytes = time.monotonic_ns() - t0, len(payload)
+                rec.shared_bytes = segment.size if segment is not None else 0
+                self._pool.register(self._token, payload)
             self._state = Lifecycle.OPEN
 
     def _install_inline(self, ctx: _worker.WorkerContext) -> None:
@@ -388,4 +418,6 @@ def _cleanup(
         owned_pool.close()
     else:
         pool.unregister(token)
+    if shared.segment is not None:  # no worker of this loader will start again
+        shared.segment.unlink()
     transport.close()

@@ -90,6 +90,13 @@ class LoaderStats:
     fetch_buffer_peak_bytes: int = 0
     """The most fetched bytes held at once before being handed to workers (bounded by
     ``io_buffer`` plus one batch)."""
+    payload_bytes: int = 0
+    """Bytes of the pickled worker context (dataset, ``collate_fn``, ...) sent to each worker."""
+    shared_bytes: int = 0
+    """Bytes of its large arrays that went to the workers through one shared-memory
+    segment instead (mapped by every worker, not copied)."""
+    payload_s: float = 0.0
+    """Seconds the consumer spent pickling the worker context (and writing the segment)."""
 
     @property
     def batches_per_s(self) -> float | None:
@@ -117,7 +124,9 @@ class LoaderStats:
             f"  first batch ms by epoch: {firsts}\n"
             f"  batch latency ms p50/p99: {fmt_ms(self.latency_p50_s, self.latency_p99_s)}\n"
             f"  workers busy: {fmt_share(self.worker_busy)}\n"
-            f"  retries {self.retries}, pool restarts {self.restarts}, skipped samples {self.skipped}"
+            f"  retries {self.retries}, pool restarts {self.restarts}, skipped samples {self.skipped}\n"
+            f"  dataset to workers: {_mib(self.payload_bytes)} pickled, {_mib(self.shared_bytes)} shared, "
+            f"in {self.payload_s * 1000:.0f} ms"
             + self._fetch_line()
         )
 
@@ -125,9 +134,9 @@ class LoaderStats:
         if not self.fetches and not self.fetch_retries:
             return ""
         return (
-            f"\n  fetches: {self.fetches} ({_mib(self.fetch_bytes)} MiB), {self.fetch_retries} retried, "
+            f"\n  fetches: {self.fetches} ({_mib(self.fetch_bytes)}), {self.fetch_retries} retried, "
             f"peak {self.fetch_peak_in_flight} in flight\n"
-            f"  fetched bytes waiting for workers: peak {_mib(self.fetch_buffer_peak_bytes)} MiB; "
+            f"  fetched bytes waiting for workers: peak {_mib(self.fetch_buffer_peak_bytes)}; "
             f"batches waited {self.fetch_wait_s:.2f} s on fetches"
         )
 
@@ -144,7 +153,7 @@ _FIRSTS_SHOWN = 5
 
 
 def _mib(n: int) -> str:
-    return f"{n / (1 << 20):,.1f}"
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 1024:.0f} KiB"
 
 
 @dataclass
@@ -177,6 +186,9 @@ class Recorder:
     skipped: int = 0
     in_flight: int = 0
     busy_ns: int = 0
+    payload_bytes: int = 0
+    shared_bytes: int = 0
+    payload_ns: int = 0
     first_submit_ns: int | None = None
     workers_seen: set[int] = field(default_factory=set)
     latencies: deque[int] = field(default_factory=lambda: deque(maxlen=10_000))
@@ -246,6 +258,9 @@ class Recorder:
             retries=self.retries,
             restarts=restarts,
             skipped=self.skipped,
+            payload_bytes=self.payload_bytes,
+            shared_bytes=self.shared_bytes,
+            payload_s=self.payload_ns / 1e9,
             **self._fetch_figures(),
         )
 

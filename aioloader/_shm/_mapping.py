@@ -49,7 +49,8 @@ def _munmap(addr: int, size: int) -> None:
 
 
 class _Mapping:
-    """A shared read-write mapping of a whole file; unmapped when this object dies.
+    """A read-write mapping of a whole file, shared (``MAP_SHARED``) or copy-on-write
+    (``private``: writes stay in this process); unmapped when this object dies.
 
     Everything that reads or writes the memory holds this object (directly or through
     a numpy ``base`` chain), so the memory cannot be unmapped under an array.
@@ -57,8 +58,8 @@ class _Mapping:
 
     __slots__ = ("__weakref__", "addr", "size")
 
-    def __init__(self, fd: int, size: int, *, populate: bool) -> None:
-        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+    def __init__(self, fd: int, size: int, *, populate: bool, private: bool = False) -> None:
+        flags = (mmap.MAP_PRIVATE if private else mmap.MAP_SHARED) | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
         addr = _lib().mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, 0)
         if addr is None or addr == ctypes.c_void_p(-1).value:
             err = ctypes.get_errno()

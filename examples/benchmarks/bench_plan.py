@@ -149,6 +149,49 @@ def fmt_mem(mb: float) -> str:
     return f"{mb:.1f} MB" if mb < 1024 else f"{mb / 1024:.2f} GB"
 
 
+class _Huge:
+    """A dataset of any length that is never indexed (only its state is saved and loaded)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+def state_round_trips(n: int, repeat: int = 50) -> list[dict[str, Any]]:
+    """Median and worst ``load_state_dict`` and ``state_dict`` times of a shuffled loader
+    over ``n`` samples, sharded ``WORLD`` ways, at positions from the first batch to the last."""
+    import statistics
+
+    import aioloader
+
+    loader = aioloader.DataLoader(_Huge(n), BATCH, shuffle=True, seed=3, shard=(0, WORLD), num_workers=0)
+    base = loader.state_dict()
+    last = len(loader) - 1
+    out = []
+    for pos in sorted({0, 12_345 % (last + 1), last // 2, max(last - 3, 0)}):
+        after = [p for p in (pos + 1, pos + 2) if p <= last]
+        state = dict(base, batches_delivered=pos, next_position=pos, delivered_after=after)
+        loads, saves = [], []
+        for _ in range(repeat):
+            t = time.perf_counter()
+            loader.load_state_dict(state)
+            loads.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            saved = loader.state_dict()
+            saves.append(time.perf_counter() - t)
+        assert saved["next_position"] == pos and saved["delivered_after"] == after
+        out.append({"n": n, "position": pos, "load_us": statistics.median(loads) * 1e6,
+                    "load_max_us": max(loads) * 1e6, "save_us": statistics.median(saves) * 1e6,
+                    "save_max_us": max(saves) * 1e6})
+    loader.close()
+    return out
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         impl, n, world, limit = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
@@ -177,6 +220,12 @@ def main() -> None:
                 if "error" in r:
                     cells += f"  failed: {r['error']}"
             print(f"10**{power:<2} {world:>5}  {impl:<30} {cells}", flush=True)
+    print(f"\nstate_dict round trips, shuffled, {WORLD} ranks (median and worst of 50, microseconds)")
+    for power in args.sizes:
+        for r in state_round_trips(10**power):
+            results.append(r)
+            print(f"10**{power:<2} batch {r['position']:>12,}: load_state_dict {r['load_us']:>4.0f} "
+                  f"(worst {r['load_max_us']:.0f}), state_dict {r['save_us']:>4.0f} (worst {r['save_max_us']:.0f})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"cpu_count": os.cpu_count(), "results": results}, f, indent=1)
