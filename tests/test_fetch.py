@@ -8,6 +8,10 @@ the peak of concurrent ones, so bounds and refetches are measured where they hap
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -306,6 +310,55 @@ def test_break_and_close_with_many_fetches_in_flight(server: Server, files: File
         closer.join()
     assert fetch.closed >= 1 and not fetch.sessions
     assert dl.stats().fetch_peak_in_flight == 100
+
+
+CTRL_C_SCRIPT = """
+import asyncio, pathlib, sys
+sys.path.insert(0, {root!r})
+import aioloader
+from tests._fetch_helpers import HttpFetch
+
+if __name__ == "__main__":
+    items = {items!r}
+    ready = pathlib.Path({ready!r})
+    loader = aioloader.DataLoader(items, batch_size=4, prefetch=40, fetch=HttpFetch({base!r}), io_concurrency=100)
+    if {face!r} == "for":
+        for batch in loader:
+            ready.touch()
+    else:
+        async def main():
+            async for batch in loader:
+                ready.touch()
+        asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("face", ["for", "async-for"])
+def test_ctrl_c_with_many_fetches_in_flight(tmp_path: Path, server: Server, files: Files, face: str) -> None:
+    ready = tmp_path / "ready"
+    script = tmp_path / "script.py"
+    root = str(Path(__file__).resolve().parents[1])
+    script.write_text(CTRL_C_SCRIPT.format(root=root, items=_slow_items(files, 200), ready=str(ready),
+                                           base=server.base, face=face))  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+    )
+    try:
+        wait_until(lambda: (ready.exists() and server.stats()["current"] == 100) or proc.poll() is not None,
+                   60.0, "100 requests at the server")  # fmt: skip
+        assert proc.poll() is None, proc.communicate()
+        os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C
+        _out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = err.decode()
+    assert proc.returncode != 0 and text.rstrip().endswith("KeyboardInterrupt"), text
+    # asyncio.run (3.11+) cancels the main task first: its CancelledError is chained in
+    assert text.count("Traceback (most recent call last)") <= (1 if face == "for" else 2), text
+    # no unclosed session or connector, no task destroyed while pending
+    assert "Unclosed" not in text and "destroyed" not in text and "never awaited" not in text, text
 
 
 def test_stream_loader_fetches_items(collect: Callable[..., list[Any]], server: Server, files: Files) -> None:
