@@ -10,12 +10,13 @@ import os
 import time
 from collections import deque
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 import numpy as np
 
 from ._trace import Tracer
 
-__all__ = ["EpochStats", "LoaderStats", "Recorder", "fmt_ms", "fmt_share"]
+__all__ = ["EpochStats", "FetchCounters", "LoaderStats", "Recorder", "fmt_ms", "fmt_share"]
 
 
 def fmt_ms(*seconds: float | None) -> str:
@@ -75,6 +76,20 @@ class LoaderStats:
     active_s: float = 0.0
     """Seconds spent iterating: from the start of each epoch to its latest batch, with
     overlapping epochs counted once (the time between epochs is left out)."""
+    fetches: int = 0
+    """Samples fetched by ``fetch=`` (successful fetches; retries not counted)."""
+    fetch_retries: int = 0
+    """Fetches retried after a transient failure."""
+    fetch_bytes: int = 0
+    """Bytes those fetches returned (as weighed against ``io_buffer``)."""
+    fetch_peak_in_flight: int = 0
+    """The most fetches running at once (at most ``io_concurrency``)."""
+    fetch_wait_s: float = 0.0
+    """Seconds batches spent waiting for their fetches, summed over batches (batches
+    fetched at the same time each count their own wait)."""
+    fetch_buffer_peak_bytes: int = 0
+    """The most fetched bytes held at once before being handed to workers (bounded by
+    ``io_buffer`` plus one batch)."""
     payload_bytes: int = 0
     """Bytes of the pickled worker context (dataset, ``collate_fn``, ...) sent to each worker."""
     shared_bytes: int = 0
@@ -112,6 +127,17 @@ class LoaderStats:
             f"  retries {self.retries}, pool restarts {self.restarts}, skipped samples {self.skipped}\n"
             f"  dataset to workers: {_mib(self.payload_bytes)} pickled, {_mib(self.shared_bytes)} shared, "
             f"in {self.payload_s * 1000:.0f} ms"
+            + self._fetch_line()
+        )
+
+    def _fetch_line(self) -> str:
+        if not self.fetches and not self.fetch_retries:
+            return ""
+        return (
+            f"\n  fetches: {self.fetches} ({_mib(self.fetch_bytes)}), {self.fetch_retries} retried, "
+            f"peak {self.fetch_peak_in_flight} in flight\n"
+            f"  fetched bytes waiting for workers: peak {_mib(self.fetch_buffer_peak_bytes)}; "
+            f"batches waited {self.fetch_wait_s:.2f} s on fetches"
         )
 
     def __repr__(self) -> str:
@@ -140,6 +166,15 @@ class _Epoch:
     last_ns: int | None = None
 
 
+class FetchCounters:
+    """The fetch stage's figures (see :class:`LoaderStats`), kept by the stage itself."""
+
+    __slots__ = ("buffer_peak", "bytes", "done", "peak", "retries", "wait_ns")
+
+    def __init__(self) -> None:
+        self.done = self.retries = self.bytes = self.peak = self.wait_ns = self.buffer_peak = 0
+
+
 @dataclass
 class Recorder:
     """Mutable counters behind :class:`LoaderStats`."""
@@ -159,6 +194,7 @@ class Recorder:
     latencies: deque[int] = field(default_factory=lambda: deque(maxlen=10_000))
     epochs: deque[_Epoch] = field(default_factory=lambda: deque(maxlen=1_000))
     tracer: Tracer | None = None
+    fetch: FetchCounters = field(default_factory=lambda: FetchCounters())
 
     def epoch_started(self, epoch: int) -> _Epoch:
         rec = _Epoch(epoch, time.monotonic_ns())
@@ -192,6 +228,9 @@ class Recorder:
         if self.tracer is not None:
             self.tracer.span(f"wait (epoch {ep.epoch})", os.getpid(), "consumer", now - waited_ns, now)
 
+    def _fetch_figures(self) -> dict[str, Any]:
+        return _fetch_figures_of(self.fetch)
+
     def snapshot(self, restarts: int, concurrency: int) -> LoaderStats:
         lat = np.fromiter(list(self.latencies), dtype=np.int64)
         p50 = p99 = None
@@ -222,7 +261,15 @@ class Recorder:
             payload_bytes=self.payload_bytes,
             shared_bytes=self.shared_bytes,
             payload_s=self.payload_ns / 1e9,
+            **self._fetch_figures(),
         )
+
+
+def _fetch_figures_of(f: FetchCounters) -> dict[str, Any]:
+    return {
+        "fetches": f.done, "fetch_retries": f.retries, "fetch_bytes": f.bytes, "fetch_peak_in_flight": f.peak,
+        "fetch_wait_s": f.wait_ns / 1e9, "fetch_buffer_peak_bytes": f.buffer_peak,
+    }  # fmt: skip
 
 
 def _active_ns(epochs: list[_Epoch]) -> int:

@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 from . import _worker
 from .errors import CollateError
 
-__all__ = ["StreamContext", "StreamResult", "StreamTask", "run_stream_batch"]
+__all__ = ["Chain", "StreamContext", "StreamResult", "StreamTask", "run_stream_batch"]
 
 
 @dataclass
@@ -47,6 +47,7 @@ class StreamTask(NamedTuple):
     first: int  # source position of items[0] (items are consecutive in the source)
     items: Sequence[Any]
     payload: bytes | StreamContext | None = None
+    positions: Sequence[int] | None = None  # source positions of the items, when not consecutive (fetch=)
 
 
 class StreamResult(NamedTuple):
@@ -105,10 +106,11 @@ def _build(ctx: StreamContext, task: StreamTask) -> tuple[Any, int, tuple[tuple[
     first = task.first
     skipped: list[tuple[int, str]] = []
     fn = ctx.fn
+    where = task.positions if task.positions is not None else range(first, first + len(items))
     kept: list[int]
     if fn is None:
         outputs: Any = items
-        kept = list(range(first, first + len(items)))
+        kept = list(where)
     elif ctx.batched_fn:
         last = first + len(items) - 1
         try:
@@ -116,17 +118,17 @@ def _build(ctx: StreamContext, task: StreamTask) -> tuple[Any, int, tuple[tuple[
         except Exception as exc:
             if ctx.on_error == "skip":
                 why = f"{type(exc).__name__}: {exc}"
-                return None, 0, tuple((p, why) for p in range(first, last + 1))
+                return None, 0, tuple((p, why) for p in where)
             _worker._add_note(
                 exc, f"aioloader: raised by fn(items) on stream items {first}..{last} in {_where(task)}"
             )
             raise _worker._portable(exc, ctx)  # noqa: B904 (re-raises exc itself)
-        kept = list(range(first, last + 1))
+        kept = list(where)
     else:
         outputs = []
         kept = []
         for k, item in enumerate(items):
-            pos = first + k
+            pos = where[k]
             try:
                 outputs.append(fn(item))
             except Exception as exc:
@@ -161,3 +163,23 @@ def _span(positions: list[int]) -> str:
     if positions and positions == list(range(positions[0], positions[-1] + 1)) and len(positions) > 3:
         return f"{positions[0]}..{positions[-1]}"
     return str(positions)
+
+
+class Chain:
+    """``fn(transform(item))`` per item, or ``fn([transform(item), ...])`` with
+    ``batched``: a stream's ``transform`` in front of its ``fn`` (either may be absent).
+    Picklable when both are."""
+
+    def __init__(self, transform: Callable[[Any], Any], fn: Callable[[Any], Any] | None, batched: bool) -> None:
+        self.transform = transform
+        self.fn = fn
+        self.batched = batched
+
+    def __call__(self, x: Any) -> Any:
+        t = self.transform
+        if self.batched:
+            return self.fn([t(v) for v in x]) if self.fn is not None else [t(v) for v in x]
+        return self.fn(t(x)) if self.fn is not None else t(x)
+
+    def __repr__(self) -> str:
+        return f"Chain({self.transform!r}, {self.fn!r})"

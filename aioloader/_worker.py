@@ -81,6 +81,7 @@ class BatchTask(NamedTuple):
     indices: Any  # int64 bytes (the loader's form), a 1-d integer array or a list of ints
     seed: int
     payload: bytes | None = None
+    values: Sequence[Any] | None = None  # fetch=: the fetched samples, one per index
 
 
 class BatchResult(NamedTuple):
@@ -104,6 +105,7 @@ class WorkerContext:
     fetch_batch: bool = False  # call dataset.__getitems__(indices) when the dataset has it
     unbatched: bool = False  # batch_size=None: collate_fn takes the one sample, not a list
     seed: int = 0  # the loader's seed when the payload was made (worker info in worker_init_fn)
+    transform: Callable[[Any], Any] | None = None  # applied to each sample before collate_fn
     # Set in the worker, never pickled with the payload:
     remote: bool = field(default=False, compare=False)
     init_error: BaseException | None = field(default=None, compare=False)
@@ -363,22 +365,32 @@ def _build(ctx: WorkerContext, task: BatchTask) -> tuple[Any, tuple[tuple[int, s
     else:
         indices = raw
     dataset = ctx.dataset
+    values = task.values  # fetched in the main process: no dataset here
+    transform = ctx.transform
     samples: list[Any] = []
     kept: list[int] = []
     skipped: list[tuple[int, str]] = []
     try:
-        for i in indices:
+        for k, i in enumerate(indices):
             if ctx.seed_samples:
                 _seeding.seed_sample(task.seed, task.epoch, i)
             else:
                 _seeding.enter_sample(task.seed, task.epoch, i)
+            in_transform = False
             try:
-                samples.append(dataset[i])
+                sample = dataset[i] if values is None else values[k]
+                if transform is not None:
+                    in_transform = True
+                    sample = transform(sample)
+                samples.append(sample)
             except Exception as exc:
                 if ctx.on_error == "skip":
                     skipped.append((i, f"{type(exc).__name__}: {exc}"))
                     continue
-                _add_note(exc, f"aioloader: raised by dataset[{i}] (sample index {i}) in {_where(task)}")
+                what = f"dataset[{i}]"
+                if in_transform:
+                    what = "transform(the fetched sample)" if values is not None else f"transform(dataset[{i}])"
+                _add_note(exc, f"aioloader: raised by {what} (sample index {i}) in {_where(task)}")
                 raise _portable(exc, ctx)  # noqa: B904 (re-raises exc itself)
             kept.append(i)
     finally:

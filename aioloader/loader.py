@@ -16,7 +16,7 @@ import functools
 import os
 import secrets
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from multiprocessing.context import BaseContext
 from typing import Any, Generic, Literal
 
@@ -25,7 +25,8 @@ import numpy as np
 from . import _worker
 from ._collate import collate_torch, convert_torch, default_collate, default_convert, is_torch_dataset
 from ._engine.epochs import Cursor, EpochPass, EpochSource, Parked, WorkerSide
-from ._engine.resume import cursor_from_state, state_from_cursor
+from ._engine.fetch import DEFAULT_IO_BUFFER, FetchConfig, resolve_remote
+from ._engine.resume import Resumable
 from ._engine.run import Run, RunConfig
 from ._facade import IterableLoader, Lifecycle, Pass
 from ._plan.sampler import BatchPlanner, EpochPlan, LastBatch, ShardPolicy, dataset_length
@@ -49,7 +50,7 @@ __all__ = ["DataLoader"]
 _FROZEN = frozenset({"dataset", "batch_size", "sampler", "batch_sampler", "drop_last", "last_batch", "shuffle"})
 
 
-class DataLoader(IterableLoader, Generic[Batch]):
+class DataLoader(IterableLoader, Resumable, Generic[Batch]):
     """Batches from a map-style dataset, built by a persistent pool of workers.
 
     Iterate with ``for batch in loader`` or ``async for batch in loader``: both run the
@@ -118,6 +119,17 @@ class DataLoader(IterableLoader, Generic[Batch]):
             construction, as torch draws its base seed. Excludes ``seed``.
         multiprocessing_context: torch's spelling of ``mp_context``; excludes it.
         in_order: torch's spelling of ``ordered``; excludes it.
+        fetch: an async callable applied to ``dataset[i]`` on the event loop (many at
+            once) before the batch goes to a worker; then ``dataset`` is read in this
+            process only (a list of keys, say) and never sent to the workers; the
+            fetched values must pickle. See :doc:`fetch`.
+        transform: applied in the worker to each sample (the fetched value, or
+            ``dataset[i]`` without ``fetch``) before ``collate_fn``, seeded per sample.
+        io_concurrency: most fetches running at once.
+        io_buffer: bytes fetched and not yet handed to a worker at most (the oldest
+            batch waiting is always let through).
+        fetch_retries: retries of a fetch that failed transiently (connection errors,
+            timeouts, HTTP 5xx/429), with exponential backoff. ``timeout`` bounds each try.
 
     Each of torch's spellings that says the same as one of aioloader's (``prefetch`` and
     ``prefetch_factor``, ``ordered`` and ``in_order``, ``mp_context`` and
@@ -163,8 +175,14 @@ class DataLoader(IterableLoader, Generic[Batch]):
         generator: Any = None,
         multiprocessing_context: str | BaseContext | None = None,
         in_order: bool | None = None,
+        fetch: Callable[[Any], Awaitable[Any]] | None = None,
+        transform: Callable[[Any], Any] | None = None,
+        io_concurrency: int = 64,
+        io_buffer: int = DEFAULT_IO_BUFFER,
+        fetch_retries: int = 3,
     ) -> None:
-        length = check_map_dataset(dataset)
+        keys, fetch, self.transform = resolve_remote(dataset, fetch, transform)
+        length = check_map_dataset(keys)
         unbatched = batch_size is None
         if unbatched:
             check_unbatched(batch_sampler, drop_last, last_batch)
@@ -195,8 +213,11 @@ class DataLoader(IterableLoader, Generic[Batch]):
         max_retries = check_int("max_retries", max_retries, 0)
         check_choice("shard_policy", shard_policy, ("pad", "drop", "uneven"))
         shard = check_shard(shard)
+        self._fetch = FetchConfig.make(fetch, io_concurrency, io_buffer, fetch_retries, timeout, on_error)
+        self.fetch = fetch
 
         self.dataset = dataset
+        self._keys = keys  # what is indexed: the dataset, or the items a remote dataset fetches
         self.batch_size: int | None = None if unbatched else batch_size
         self.shuffle = shuffle
         self.sampler = sampler
@@ -263,7 +284,8 @@ class DataLoader(IterableLoader, Generic[Batch]):
 
     def _worker_context(self) -> _worker.WorkerContext:
         return _worker.WorkerContext(
-            dataset=self.dataset,
+            dataset=None if self._fetch is not None else self.dataset,
+            transform=self.transform,
             collate_fn=self._transport.wrap_collate(self._worker_collate()),
             worker_init_fn=self.worker_init_fn,
             on_error=self.on_error,
@@ -274,7 +296,8 @@ class DataLoader(IterableLoader, Generic[Batch]):
         )
 
     def _pickled_parts(self) -> Sequence[tuple[str, object]]:
-        return (("dataset", self.dataset), ("collate_fn", self.collate_fn), ("worker_init_fn", self.worker_init_fn))
+        ds = () if self._fetch is not None else (("dataset", self.dataset),)
+        return (*ds, ("transform", self.transform), ("collate_fn", self.collate_fn), ("worker_init_fn", self.worker_init_fn))
 
     # ------------------------------------------------------------------- planning
     def __len__(self) -> int:
@@ -285,7 +308,7 @@ class DataLoader(IterableLoader, Generic[Batch]):
 
     def _epoch_length(self, cur: Cursor) -> int:
         """``len(dataset)`` for epoch ``cur``: read again for each epoch not yet begun (as torch does)."""
-        return cur.length if cur.length is not None else dataset_length(self.dataset)
+        return cur.length if cur.length is not None else dataset_length(self._keys)
 
     def _parked_fits(self, parked: Parked, cur: Cursor, loop: asyncio.AbstractEventLoop) -> bool:
         if parked.successor is not cur or parked.run.loop is not loop or parked.run.closed:
@@ -313,10 +336,6 @@ class DataLoader(IterableLoader, Generic[Batch]):
         if parked is not None:
             parked.run.close_threadsafe()
 
-    def _sampler_state(self) -> Any:
-        getter = getattr(self._planner.custom, "state_dict", None)
-        return getter() if callable(getter) else None
-
     # ------------------------------------------------------------------ iteration
     async def _begin(self) -> Pass:
         self._check_open()
@@ -342,8 +361,8 @@ class DataLoader(IterableLoader, Generic[Batch]):
                 cur = Cursor(cur.epoch, cur.carry, cur.prefix, cur.after, self._sampler_state(), length)
                 plan = self._planner.plan(cur.epoch, cur.carry, length)
                 speculate = self.prefetch_next_epoch and self._planner.custom is None
-                side = WorkerSide(self._token, self.seed, self._shared.get_payload)
-                ahead = functools.partial(_plan_ahead, self._planner, self.dataset)  # holds no loader
+                side = WorkerSide(self._token, self.seed, self._shared.get_payload, keys=self._keys)
+                ahead = functools.partial(_plan_ahead, self._planner, self._keys)  # holds no loader
                 source = EpochSource(side, plan, cur, ahead if speculate else None)
                 run = Run(self._run_config(), source)
                 self._runs.add(run)
@@ -374,6 +393,7 @@ class DataLoader(IterableLoader, Generic[Batch]):
             decode=self._transport.decode,
             recorder=self._recorder,
             is_closed=self._shared.is_closed,
+            fetch=self._fetch,
         )
 
     def _end_pass(self, p: EpochPass) -> bool:
@@ -393,50 +413,6 @@ class DataLoader(IterableLoader, Generic[Batch]):
                 self._forget_runs()
                 self._parked = Parked(p.run, p.source, p.successor)
             return keep
-
-    # -------------------------------------------------------------------- resume
-    def state_dict(self) -> dict[str, Any]:
-        """A small JSON-serialisable snapshot: loading it into a new loader with the same
-        dataset and arguments makes its next batch the one this loader would yield next."""
-        with self._lock:
-            p = self._active
-            if p is not None and p.cursor.delivered < p.n:
-                cur = p.cursor
-            else:
-                cur = self._next
-                if cur.sampler_state is None:
-                    cur = dataclasses.replace(cur, sampler_state=self._sampler_state())
-            return state_from_cursor(cur, self.seed, self._identity(), dataset_length(self.dataset))
-
-    def _identity(self) -> dict[str, Any]:
-        """What a state dict must agree on with the loader it is loaded into."""
-        return {
-            "batch_size": self.batch_size,
-            "last_batch": self.last_batch,
-            "shuffle": self.shuffle,
-            "shard": list(self.shard),
-            "shard_policy": self.shard_policy,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from ``state`` (see :meth:`state_dict`). Costs no sample loads.
-
-        Raises :class:`~aioloader.StateDictError` naming the first mismatch when the
-        state comes from an incompatible loader.
-        """
-        seed, cursor = cursor_from_state(
-            state,
-            self._identity(),
-            sampler=self._planner.custom,
-            length_now=dataset_length(self.dataset),
-            num_batches=self._planner.num_batches,
-        )
-        with self._lock:
-            self._check_open()
-            self.seed = self._planner.seed = seed
-            self._forget_runs()
-            self._next = cursor
-            self._active = None
 
     def __repr__(self) -> str:
         return (

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import os
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from multiprocessing.context import BaseContext
 from typing import Any, ClassVar, Generic, Literal
 
@@ -27,11 +27,12 @@ from ._collate import default_collate
 from ._engine.batcher import Batcher
 from ._engine.epochs import WorkerSide
 from ._engine.feeds import END, _EndOfStream, make_feed
+from ._engine.fetch import DEFAULT_IO_BUFFER, FetchConfig, resolve_remote
 from ._engine.run import Run, RunConfig
 from ._facade import IterableLoader
 from ._pool import WorkerPool
 from ._stats import Recorder
-from ._stream_worker import StreamContext
+from ._stream_worker import Chain, StreamContext
 from ._types import Batch, StreamSource
 from ._validate import check_bool, check_choice, check_int, check_seconds
 
@@ -82,6 +83,16 @@ class StreamLoader(IterableLoader, Generic[Batch]):
         executor: any ``concurrent.futures.Executor`` (never shut down by the stream).
         trace: write a Chrome trace-event file here when the stream closes (see
             :meth:`tracing` to trace a part of a run).
+        fetch: an async callable applied to each item on the event loop (many at once)
+            before its micro-batch goes to a worker; the worker then gets the fetched
+            values, which must pickle. See :doc:`fetch`.
+        transform: applied in the worker to each item (the fetched value, without
+            ``fetch`` the item itself) before ``fn``.
+        io_concurrency: most fetches running at once.
+        io_buffer: bytes fetched and not yet handed to a worker at most (the oldest
+            micro-batch waiting is always let through).
+        fetch_retries: retries of a fetch that failed transiently (connection errors,
+            timeouts, HTTP 5xx/429), with exponential backoff; ``timeout`` bounds each try.
 
     Guarantees and errors: exceptions from ``fn``/``collate_fn`` keep their type and
     gain a note with the item's source position (:class:`~aioloader.RemoteError` if
@@ -125,6 +136,11 @@ class StreamLoader(IterableLoader, Generic[Batch]):
         pool: WorkerPool | None = None,
         executor: cf.Executor | None = None,
         trace: str | os.PathLike[str] | None = None,
+        fetch: Callable[[Any], Awaitable[Any]] | None = None,
+        transform: Callable[[Any], Any] | None = None,
+        io_concurrency: int = 64,
+        io_buffer: int = DEFAULT_IO_BUFFER,
+        fetch_retries: int = 3,
     ) -> None:
         if not isinstance(source, (asyncio.Queue, AsyncIterable, Iterable)):
             raise TypeError(
@@ -144,6 +160,10 @@ class StreamLoader(IterableLoader, Generic[Batch]):
         timeout = check_seconds("timeout", timeout, allow_zero=False)
         check_choice("on_error", on_error, ("raise", "skip"))
         max_retries = check_int("max_retries", max_retries, 0)
+        self._fetch = FetchConfig.make(fetch, io_concurrency, io_buffer, fetch_retries, timeout, on_error)
+        _, _, transform = resolve_remote(None, None, transform)  # validates it
+        self.fetch = fetch
+        self.transform = transform
 
         self.source = source
         self.fn = fn
@@ -180,12 +200,12 @@ class StreamLoader(IterableLoader, Generic[Batch]):
             collate_fn=self.collate_fn,
             on_error=self.on_error,
             seed_samples=False,
-            fn=self.fn,
+            fn=self.fn if self.transform is None else Chain(self.transform, self.fn, self.batched_fn),
             batched_fn=self.batched_fn,
         )
 
     def _pickled_parts(self) -> Sequence[tuple[str, object]]:
-        return (("fn", self.fn), ("collate_fn", self.collate_fn))
+        return (("fn", self.fn), ("transform", self.transform), ("collate_fn", self.collate_fn))
 
     def _install_inline(self, ctx: _worker.WorkerContext) -> None:
         assert isinstance(ctx, StreamContext)
@@ -224,6 +244,7 @@ class StreamLoader(IterableLoader, Generic[Batch]):
             decode=self._transport.decode,
             recorder=self._recorder,
             is_closed=self._shared.is_closed,
+            fetch=self._fetch,
         )
 
     def __aiter__(self) -> AsyncIterator[Batch]:

@@ -23,7 +23,7 @@ __all__ = ["Batcher", "StreamUnit"]
 class StreamUnit:
     """Micro-batch ``key`` of iteration ``group``: source items ``first..first+size-1``."""
 
-    __slots__ = ("_side", "first", "group", "items", "key", "size")
+    __slots__ = ("_side", "first", "group", "items", "key", "positions", "size")
 
     fn = staticmethod(_stream_worker.run_stream_batch)
 
@@ -34,6 +34,7 @@ class StreamUnit:
         self.first = first
         self.items = items
         self.size = len(items)
+        self.positions: list[int] | None = None  # with fetch=: source positions of the items kept
 
     @property
     def label(self) -> str:
@@ -46,7 +47,17 @@ class StreamUnit:
     def make_task(self, task_id: int, with_payload: bool) -> _stream_worker.StreamTask:
         side = self._side
         payload = side.inline if side.inline is not None else side.payload() if with_payload else None
-        return _stream_worker.StreamTask(side.token, task_id, self.key, self.first, self.items, payload)
+        return _stream_worker.StreamTask(
+            side.token, task_id, self.key, self.first, self.items, payload, self.positions
+        )
+
+    def fetch_input(self, k: int, position: int) -> Any:
+        return self.items[k]
+
+    def set_fetched(self, kept: list[int], values: list[Any]) -> None:
+        """The items are fetched: ``kept`` source positions (those not skipped), their values."""
+        self.items = values
+        self.positions = kept
 
 
 class Batcher:

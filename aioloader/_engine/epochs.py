@@ -21,7 +21,7 @@ import numpy as np
 from .. import _worker
 from .._plan.sampler import EpochPlan
 from .._stats import Recorder
-from ..errors import TooManySkippedError
+from ..errors import TooManySkippedError, add_note
 from .run import Run, add_context
 
 __all__ = ["Cursor", "EpochPass", "EpochSource", "EpochUnit", "Parked", "WorkerSide"]
@@ -81,12 +81,13 @@ class WorkerSide:
     seed: int
     payload: Callable[[], bytes | None]  # the pickled worker context, for workers that lack it
     inline: Any = None  # thread mode: a context object that rides along with every task
+    keys: Any = None  # with fetch=: the dataset, read in this process (the items to fetch)
 
 
 class EpochUnit:
     """Batch ``key`` of epoch ``group``."""
 
-    __slots__ = ("_packed", "_side", "group", "indices", "key", "size")
+    __slots__ = ("_packed", "_side", "group", "indices", "key", "size", "values")
 
     fn = staticmethod(_worker.run_batch)
 
@@ -98,6 +99,7 @@ class EpochUnit:
         self.size = len(indices)
         # Raw int64 bytes pickle ~5x faster than a numpy array (this runs for every batch).
         self._packed = np.asarray(indices, dtype=np.int64).tobytes()
+        self.values: list[Any] | None = None  # fetched samples (fetch=), kept for resubmissions
 
     @property
     def label(self) -> str:
@@ -106,7 +108,23 @@ class EpochUnit:
     def make_task(self, task_id: int, with_payload: bool) -> _worker.BatchTask:
         side = self._side
         payload = side.payload() if with_payload else None
-        return _worker.BatchTask(side.token, task_id, self.group, self.key, self._packed, side.seed, payload)
+        return _worker.BatchTask(
+            side.token, task_id, self.group, self.key, self._packed, side.seed, payload, self.values
+        )
+
+    def fetch_input(self, k: int, index: int) -> Any:
+        """What to fetch for sample ``index``: ``dataset[index]``, read here in the main process."""
+        try:
+            return self._side.keys[index]
+        except Exception as exc:
+            add_note(exc, f"aioloader: raised by dataset[{index}] (sample index {index}) in the main process, "
+                     "where the dataset of a loader with fetch= is read")  # fmt: skip
+            raise
+
+    def set_fetched(self, kept: list[int], values: list[Any]) -> None:
+        """The unit's samples are fetched: ``kept`` indices (those not skipped), their values."""
+        self._packed = np.asarray(kept, dtype=np.int64).tobytes()
+        self.values = values
 
 
 class EpochSource:

@@ -12,15 +12,18 @@ Both directions cost O(delivered out of order), never O(epoch length).
 
 from __future__ import annotations
 
+import dataclasses
+import threading
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from .._plan.sampler import BatchPlanner, dataset_length
 from ..errors import StateDictError
 from .epochs import Cursor
 
-__all__ = ["STATE_VERSION", "cursor_from_state", "state_from_cursor"]
+__all__ = ["STATE_VERSION", "Resumable", "cursor_from_state", "state_from_cursor"]
 
 STATE_VERSION = 2  # 2: epoch orders come from the index shuffle (_permute.py)
 
@@ -88,3 +91,73 @@ def cursor_from_state(
     carry = np.asarray(rollover, dtype=np.int64)
     # An epoch that had not begun reads len(dataset) when it begins, like any other.
     return seed, Cursor(epoch, carry, prefix, frozenset(after), sampler_state, length if begun else None)
+
+
+class Resumable:
+    """The DataLoader's ``state_dict()`` and ``load_state_dict()`` (a mixin; the fields
+    of the facade it reads are declared here)."""
+
+    _lock: threading.RLock
+    _active: Any  # the newest EpochPass, or None
+    _next: Cursor
+    _keys: Any  # what the loader indexes (the dataset, or a remote dataset's items)
+    _planner: BatchPlanner
+    seed: int
+    batch_size: int | None
+    last_batch: str
+    shuffle: bool
+    shard: tuple[int, int]
+    shard_policy: str
+
+    def _forget_runs(self) -> None:
+        raise NotImplementedError
+
+    def _check_open(self) -> None:
+        raise NotImplementedError
+
+    def _sampler_state(self) -> Any:
+        getter = getattr(self._planner.custom, "state_dict", None)
+        return getter() if callable(getter) else None
+
+    def state_dict(self) -> dict[str, Any]:
+        """A small JSON-serialisable snapshot: loading it into a new loader with the same
+        dataset and arguments makes its next batch the one this loader would yield next."""
+        with self._lock:
+            p = self._active
+            if p is not None and p.cursor.delivered < p.n:
+                cur = p.cursor
+            else:
+                cur = self._next
+                if cur.sampler_state is None:
+                    cur = dataclasses.replace(cur, sampler_state=self._sampler_state())
+            return state_from_cursor(cur, self.seed, self._identity(), dataset_length(self._keys))
+
+    def _identity(self) -> dict[str, Any]:
+        """What a state dict must agree on with the loader it is loaded into."""
+        return {
+            "batch_size": self.batch_size,
+            "last_batch": self.last_batch,
+            "shuffle": self.shuffle,
+            "shard": list(self.shard),
+            "shard_policy": self.shard_policy,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state`` (see :meth:`state_dict`). Costs no sample loads.
+
+        Raises :class:`~aioloader.StateDictError` naming the first mismatch when the
+        state comes from an incompatible loader.
+        """
+        seed, cursor = cursor_from_state(
+            state,
+            self._identity(),
+            sampler=self._planner.custom,
+            length_now=dataset_length(self._keys),
+            num_batches=self._planner.num_batches,
+        )
+        with self._lock:
+            self._check_open()
+            self.seed = self._planner.seed = seed
+            self._forget_runs()
+            self._next = cursor
+            self._active = None

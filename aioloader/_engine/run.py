@@ -36,6 +36,7 @@ from .._dispatch import Dispatcher, cancelling
 from .._pool import WorkerPool
 from .._stats import Recorder, _Epoch
 from ..errors import LoaderClosedError, add_note
+from .fetch import FetchConfig, FetchStage
 
 __all__ = ["Delivery", "Run", "RunConfig", "Unit", "UnitSource", "closed_while_iterating"]
 
@@ -89,6 +90,7 @@ class RunConfig:
     recorder: Recorder
     is_closed: Callable[[], bool]
     fail_fast: bool = True  # a unit's error ends the run (loaders); False: it is delivered (serving)
+    fetch: FetchConfig | None = None  # a fetch stage between the window and the dispatcher
 
 
 class Delivery(NamedTuple):
@@ -130,6 +132,7 @@ class Run:
         self.units: dict[asyncio.Task[Any], Unit] = {}  # submitted and not yet taken
         self.aside: collections.deque[asyncio.Task[Any]] = collections.deque()
         self.dispatcher = Dispatcher(cfg.pool, cfg.recorder, cfg.timeout, cfg.max_retries, cfg.is_closed)
+        self.fetcher = FetchStage(cfg.fetch, cfg.recorder) if cfg.fetch is not None else None
         self.closed = False
         self.ended = False  # the consumer saw the terminal entry
         self._unqueued = 0  # unordered: submitted units not yet on the ready queue
@@ -185,9 +188,14 @@ class Run:
 
     async def _execute(self, unit: Unit) -> Any:
         try:
+            if self.fetcher is not None:
+                return await self.fetcher.run(unit, lambda make_task: self._dispatch(unit, make_task))
             return await self.dispatcher.run(unit.fn, unit.make_task, unit.indices, unit.label)
         except (SystemExit, KeyboardInterrupt) as exc:
             return _Raised(exc)
+
+    def _dispatch(self, unit: Unit, make_task: Callable[[int, bool], Any]) -> Any:
+        return self.dispatcher.run(unit.fn, make_task, unit.indices, unit.label)
 
     # ------------------------------------------------------------------ consumer
     async def next(self, rec: _Epoch, group: int | None = None) -> Delivery:
@@ -313,6 +321,8 @@ class Run:
                 self.cfg.recorder.released()
             self.units.clear()
             self.aside.clear()
+            if self.fetcher is not None:
+                await self.fetcher.aclose()
             await self.source.aclose()
 
     def close_threadsafe(self) -> cf.Future[None] | None:
