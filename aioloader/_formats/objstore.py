@@ -120,7 +120,9 @@ def _missing(key: str, url: str) -> FileNotFoundError:
 def translate(err: BaseException, key: str | None, url: str) -> BaseException:
     """obstore's exception for a request on ``key`` as one of ours (``err`` is kept as the cause)."""
     where = url if key is None else f"{key!r} in {url}"
-    first = str(err).split("\n", 1)[0].strip()
+    # obstore's text of a retried request names its "retry_timeout": not a timeout.
+    text = re.sub(r"retry_timeout: \S+", "", str(err))
+    first = text.split("\n", 1)[0].strip()
     if isinstance(err, FileNotFoundError):
         return _missing(key, url) if key is not None else FileNotFoundError(errno.ENOENT, first, url)
     m = _STATUS.search(first)
@@ -130,8 +132,8 @@ def translate(err: BaseException, key: str | None, url: str) -> BaseException:
     message = f"{where}: {first}"
     if status is not None and (status >= 500 or status == 429):
         return TransientStoreError(message, key=key, url=url, status=status)
-    if status is None and _TRANSIENT_TEXT.search(str(err)):
-        cls = StoreTimeoutError if _TIMEOUT_TEXT.search(str(err)) else TransientStoreError
+    if status is None and _TRANSIENT_TEXT.search(text):
+        cls = StoreTimeoutError if _TIMEOUT_TEXT.search(text) else TransientStoreError
         return cls(message, key=key, url=url)
     if isinstance(err, (ValueError, TypeError)):
         return type(err)(message)
