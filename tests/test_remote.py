@@ -109,7 +109,7 @@ def test_http_url_and_failure_classes(http_server: HTTPServer, jpegs: dict[str, 
     name = next(iter(jpegs))
     assert run(store.get(f"jpegs/{name}")) == jpegs[name]
     assert run(store.get_range(f"jpegs/{name}", 1, 9)) == jpegs[name][1:9]
-    with pytest.raises(FileNotFoundError, match="'jpegs/none.jpg'"):
+    with pytest.raises(FileNotFoundError, match=r"'jpegs/none\.jpg'"):
         run(store.get("jpegs/none.jpg"))
     for code in (500, 503, 429):
         with pytest.raises(TransientStoreError, match=f"'status/{code}/x' in {http_server.base}") as info:
@@ -270,7 +270,7 @@ def test_idx_elsewhere_and_missing(s3: S3Server, tmp_path: Path) -> None:
     s3.put("lonely/data.rec", (MXNET_FIXTURES / "raw.rec").read_bytes())
     with pytest.raises(FileNotFoundError, match=rf"index file of s3://{s3.bucket}/lonely/data.rec"):
         RecordFileDataset(s3.url("lonely/data.rec"), store_options=s3.options)
-    with pytest.raises(FileNotFoundError, match="'missing.rec'"):
+    with pytest.raises(FileNotFoundError, match=r"'missing\.rec'"):
         RecordFileDataset(s3.url("mxnet/missing.rec"), store_options=s3.options)
     with pytest.raises(ValueError, match="store_options is for record files at an object-store URL"):
         RecordFileDataset(MXNET_FIXTURES / "raw.rec", store_options={})
@@ -289,6 +289,19 @@ def _damaged() -> dict[str, tuple[bytes, bytes]]:
     return {"truncated": truncated, "bad-magic": (bytes(bad_magic), b"".join(lines))}
 
 
+def _remote_errors(remote: RecordFileDataset, i: int) -> list[RecordIOError]:
+    """The errors reading record ``i`` raises: by ``dataset[i]`` and through the fetch stage's parts."""
+    items, fetch, transform = remote.__aioloader_remote__()
+    out = []
+    with pytest.raises(RecordIOError) as blocking:
+        remote[i]
+    out.append(blocking.value)
+    with pytest.raises(RecordIOError) as staged:
+        transform(run(fetch(items[i])))
+    out.append(staged.value)
+    return out
+
+
 def test_damaged_remote_records_fail_as_the_local_ones(s3: S3Server, tmp_path: Path) -> None:
     compared = 0
     for name, (data, idx) in _damaged().items():
@@ -298,16 +311,12 @@ def test_damaged_remote_records_fail_as_the_local_ones(s3: S3Server, tmp_path: P
         s3.put(f"damaged/{name}.idx", idx)
         local = RecordFileDataset(tmp_path / f"{name}.rec")
         remote = RecordFileDataset(s3.url(f"damaged/{name}.rec"), store_options=s3.options)
-        items, fetch, transform = remote.__aioloader_remote__()
         for i in range(len(local)):
             try:
                 expected = local[i]
             except RecordIOError as err:
                 want = (str(err).replace(str(tmp_path / f"{name}.rec"), remote.reader.path), err.key, err.offset)
-                for attempt in (lambda: remote[i], lambda: transform(run(fetch(items[i])))):
-                    with pytest.raises(RecordIOError) as info:
-                        attempt()
-                    got = info.value
+                for got in _remote_errors(remote, i):
                     assert (str(got), got.key, got.offset) == want
                     assert got.path == remote.reader.path
                 compared += 1
