@@ -3,8 +3,8 @@
 * :class:`ObjectStore` — the objects under one URL (``s3://bucket/prefix``, ``gs://``,
   ``az://``, ``http(s)://``, ``file://``), read with ``await store.get(key)`` and
   ``await store.get_range(key, start, end)`` on the event loop, or with the blocking
-  ``get_sync``/``get_range_sync`` inside a worker. Built on
-  `obstore <https://developmentseed.org/obstore/>`_ (Rust's ``object_store``: many
+  ``get_sync``/``get_range_sync`` inside a worker. Built on obstore
+  (https://developmentseed.org/obstore/, Rust's ``object_store``: many
   requests in flight from one thread, the GIL released while bytes move), an optional
   dependency: ``pip install "aioloader[remote]"``. obstore is imported only when the
   first store is made.

@@ -185,6 +185,7 @@ class _RecordDataset:
         self,
         path: StrPath,
         idx_path: StrPath | None = None,
+        *,
         store_options: dict[str, Any] | None = None,
     ) -> None:
         if is_url(path):
@@ -253,15 +254,6 @@ class RecordFileDataset(_RecordDataset):
     ``dataset[i]``, or on the event loop through ``__aioloader_remote__``.
     """
 
-    def __init__(
-        self,
-        path: StrPath,
-        idx_path: StrPath | None = None,
-        *,
-        store_options: dict[str, Any] | None = None,
-    ) -> None:
-        super().__init__(path, idx_path, store_options)
-
     def __getitem__(self, index: int) -> bytes:
         return self.reader.read_position(index)
 
@@ -289,7 +281,7 @@ class ImageRecordDataset(_RecordDataset):
         idx_path: StrPath | None = None,
         store_options: dict[str, Any] | None = None,
     ) -> None:
-        super().__init__(path, idx_path, store_options)
+        super().__init__(path, idx_path, store_options=store_options)
         self.transform = transform
 
     def header(self, index: int) -> tuple[int, Label, int, int]:
