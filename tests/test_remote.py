@@ -164,6 +164,34 @@ def test_obstore_is_imported_lazily_and_its_absence_is_explained() -> None:
     assert 'pip install "aioloader[remote]"' in out.stdout
 
 
+_FORK_SCRIPT = """
+import os, sys
+from aioloader.io import ObjectStore, ObjectStoreError
+store = ObjectStore("file://" + sys.argv[1])
+assert store.get_sync("a") == b"xyz"  # obstore's runtime now runs in this process
+pid = os.fork()
+if pid == 0:
+    code = 3
+    try:
+        store.get_sync("a")
+    except ObjectStoreError as err:
+        code = 0 if "forkserver or spawn" in str(err) else 4
+    finally:
+        os._exit(code)
+_, status = os.waitpid(pid, 0)
+print("child exit", os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_a_child_forked_after_requests_refuses_instead_of_hanging(tmp_path: Path) -> None:
+    # obstore's runtime threads do not survive fork: without the check the child waits forever.
+    (tmp_path / "a").write_bytes(b"xyz")
+    out = subprocess.run(
+        [sys.executable, "-c", _FORK_SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert "child exit 0" in out.stdout, out.stdout + out.stderr
+
+
 # -- read_file
 
 

@@ -154,11 +154,24 @@ def _bytes(buf: Any) -> bytes:
 
 
 _live_stores: weakref.WeakSet[ObjectStore] = weakref.WeakSet()
+# obstore starts its Rust (tokio) runtime with the first request a process makes, and that
+# runtime does not survive a fork: its threads are gone in the child, where every request
+# would wait forever. ``_runtime["pid"]`` is the process that started it; a child forked
+# after that refuses requests with an error instead of hanging.
+_runtime = {"pid": 0, "inherited": False}
+
+FORK_MESSAGE = (
+    "obstore cannot make requests in a process forked after its parent made some (its "
+    "runtime's threads do not survive fork); use the forkserver or spawn start method "
+    "(aioloader's default), or make the first request after the fork"
+)
 
 
 def _forget_clients() -> None:
-    # A forked child must not use the parent's client: its connection pool and the Rust
-    # runtime's threads did not survive the fork. It builds its own on first use.
+    # A forked child must not use the parent's client (its connection pool belongs to the
+    # parent); it builds its own on first use, unless the runtime itself is the parent's.
+    if _runtime["pid"] and _runtime["pid"] != os.getpid():
+        _runtime["inherited"] = True
     for store in list(_live_stores):
         store._client = None
         store._lock = threading.Lock()
@@ -217,7 +230,14 @@ class ObjectStore:
 
     @property
     def client(self) -> obstore.store.ObjectStore:
-        """This process's obstore client (made on first use here)."""
+        """This process's obstore client (made on first use here).
+
+        Raises :class:`ObjectStoreError` in a process forked after its parent made
+        requests: obstore's runtime cannot work there (it would hang).
+        """
+        if _runtime["inherited"]:
+            raise ObjectStoreError(f"{self.url}: {FORK_MESSAGE}", key=None, url=self.url)
+        _runtime["pid"] = os.getpid()
         client = self._client
         if client is None or self._pid != os.getpid():
             with self._lock:
@@ -229,9 +249,9 @@ class ObjectStore:
     # -- reading
     async def get(self, key: str) -> bytes:
         """The whole object ``key``."""
-        obstore = _import_obstore()
+        obstore, client = _import_obstore(), self.client
         try:
-            result = await obstore.get_async(self.client, key)
+            result = await obstore.get_async(client, key)
             return _bytes(await result.bytes_async())
         except Exception as err:
             raise translate(err, key, self.url) from err
@@ -245,17 +265,17 @@ class ObjectStore:
         """
         if _empty_range(key, start, end):
             return b""
-        obstore = _import_obstore()
+        obstore, client = _import_obstore(), self.client
         try:
-            return _bytes(await obstore.get_range_async(self.client, key, start=start, end=end))
+            return _bytes(await obstore.get_range_async(client, key, start=start, end=end))
         except Exception as err:
             raise translate(err, key, self.url) from err
 
     def get_sync(self, key: str) -> bytes:
         """:meth:`get`, blocking (for worker-side code)."""
-        obstore = _import_obstore()
+        obstore, client = _import_obstore(), self.client
         try:
-            return _bytes(obstore.get(self.client, key).bytes())
+            return _bytes(obstore.get(client, key).bytes())
         except Exception as err:
             raise translate(err, key, self.url) from err
 
@@ -263,17 +283,17 @@ class ObjectStore:
         """:meth:`get_range`, blocking (for worker-side code)."""
         if _empty_range(key, start, end):
             return b""
-        obstore = _import_obstore()
+        obstore, client = _import_obstore(), self.client
         try:
-            return _bytes(obstore.get_range(self.client, key, start=start, end=end))
+            return _bytes(obstore.get_range(client, key, start=start, end=end))
         except Exception as err:
             raise translate(err, key, self.url) from err
 
     def size_sync(self, key: str) -> int:
         """The size of ``key`` in bytes (one HEAD request)."""
-        obstore = _import_obstore()
+        obstore, client = _import_obstore(), self.client
         try:
-            return int(obstore.head(self.client, key)["size"])
+            return int(obstore.head(client, key)["size"])
         except Exception as err:
             raise translate(err, key, self.url) from err
 
