@@ -268,6 +268,12 @@ def test_remote_contract_matches_getitem(kind: str, s3: S3Server) -> None:
         assert same_sample(got[i], remote[i]) and same_sample(got[i], local[i]), i
 
 
+def test_record_dataset_over_http(http_server: HTTPServer) -> None:
+    local = RecordFileDataset(MXNET_FIXTURES / "raw.rec")
+    remote = RecordFileDataset(f"{http_server.base}/mxnet/raw.rec", store_options={"allow_http": True})
+    assert [remote[i] for i in range(len(local))] == [local[i] for i in range(len(local))]
+
+
 def test_remote_contract_applies_the_dataset_transform(s3: S3Server) -> None:
     remote = ImageRecordDataset(s3.url("mxnet/images.rec"), Resize(5), store_options=s3.options)
     items, fetch, transform = remote.__aioloader_remote__()
