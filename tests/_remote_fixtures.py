@@ -1,10 +1,12 @@
-"""Session fixtures for the remote tests: a real S3 server (moto) and a real HTTP server.
+"""Fixtures for the remote tests: a real S3 server (moto) and a real HTTP server.
 
 Each server runs in a process of its own (``tests/_s3_server.py``, ``tests/_http_server.py``),
 bound to 127.0.0.1 on a free port that it prints once it listens; the fixture reads that
-line under a deadline (no fixed sleep), and at the end of the session closes the server's
-standard input and waits for it to exit (terminating it only if it does not), so nothing
-outlives the session. Test files import the fixtures they use from here.
+line under a deadline (no fixed sleep), and after the last test of the module that uses
+it closes the server's standard input and waits for it to exit (terminating it only if
+it does not). Module scope, not session scope: a server must not outlive its test file,
+since later files check that the test process has no child at all (tests/test_shm.py).
+Test files import the fixtures they use from here.
 """
 
 from __future__ import annotations
@@ -131,7 +133,7 @@ def jpegs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
     return small_jpegs(tmp_path_factory.mktemp("jpegs"))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def s3(jpegs: dict[str, bytes]) -> Iterator[S3Server]:
     """moto's S3 server holding ``mxnet/*`` (the MXNet-written fixtures) and ``jpegs/*``."""
     pytest.importorskip("obstore")
@@ -167,7 +169,7 @@ class HTTPServer:
     root: Path  # the folder it serves
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def http_server(tmp_path_factory: pytest.TempPathFactory, jpegs: dict[str, bytes]) -> Iterator[HTTPServer]:
     """A range-capable HTTP server over a folder holding ``mxnet/*`` and ``jpegs/*``."""
     root = tmp_path_factory.mktemp("http-root")

@@ -113,8 +113,8 @@ def _rebuild_error(cls: type[ObjectStoreError], msg: str, key: str | None, url: 
 
 
 def _missing(key: str, url: str) -> FileNotFoundError:
-    err = FileNotFoundError(errno.ENOENT, f"object not found: {key!r} in {url}", key)
-    return err
+    # str(): "[Errno 2] no such object in s3://bucket/prefix: 'key'"; ``filename`` is the key.
+    return FileNotFoundError(errno.ENOENT, f"no such object in {url}", key)
 
 
 def translate(err: BaseException, key: str | None, url: str) -> BaseException:
