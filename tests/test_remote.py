@@ -26,7 +26,7 @@ from aioloader.errors import RecordIOError
 from aioloader.io import ObjectStore, ObjectStoreError, StoreTimeoutError, TransientStoreError, read_file
 from aioloader.transforms import Resize
 from tests._remote_fixtures import HTTPServer, S3Server, http_server, jpegs, s3
-from tests._rio_helpers import MXNET_FIXTURES
+from tests._rio_helpers import MXNET_FIXTURES, write_numbered
 
 __all__ = ["http_server", "jpegs", "s3"]  # fixtures, imported for pytest
 
@@ -246,6 +246,34 @@ def test_record_datasets_from_s3_through_the_loader(kind: str, s3: S3Server, col
     got = [sample for batch in batches for sample in batch]
     assert len(got) == len(local)
     assert all(same_sample(got[i], local[i]) for i in range(len(local)))
+
+
+def test_shuffled_epochs_over_s3_equal_the_local_ones(s3: S3Server, tmp_path: Path, collect: Any) -> None:
+    # 60 records of varied length, a third of them split into parts by the magic word.
+    written = write_numbered(tmp_path / "many.rec", 60)
+    s3.put("many/many.rec", (tmp_path / "many.rec").read_bytes())
+    s3.put("many/many.idx", (tmp_path / "many.idx").read_bytes())
+    remote = RecordFileDataset(s3.url("many/many.rec"), store_options=s3.options)
+    local = RecordFileDataset(tmp_path / "many.rec")
+    epochs = []
+    for dataset in (remote, local):
+        with DataLoader(dataset, batch_size=7, shuffle=True, seed=11, num_workers=2, collate_fn=list) as loader:
+            epochs.append(collect(loader))
+    assert epochs[0] == epochs[1]
+    flat = [r for batch in epochs[0] for r in batch]
+    assert sorted(flat) == sorted(written.values()) and flat != list(written.values())  # shuffled
+
+
+def test_a_read_failing_in_a_worker_names_the_key(http_server: HTTPServer, collect: Any) -> None:
+    gone = http_server.root / "gone"
+    gone.mkdir(exist_ok=True)
+    for name in ("raw.rec", "raw.idx"):
+        (gone / name).write_bytes((MXNET_FIXTURES / name).read_bytes())
+    dataset = RecordFileDataset(f"{http_server.base}/gone/raw.rec", store_options={"allow_http": True})
+    (gone / "raw.rec").unlink()  # after the dataset read its size and .idx
+    with DataLoader(dataset, batch_size=4, num_workers=2, collate_fn=list) as loader:
+        with pytest.raises(FileNotFoundError, match=rf"no such object in {http_server.base}/gone: 'raw\.rec'"):
+            collect(loader)
 
 
 @pytest.mark.parametrize("kind", ["raw", "images"])
