@@ -22,7 +22,7 @@ pytest.importorskip("obstore")
 from aioloader import DataLoader
 from aioloader._formats import rio_remote
 from aioloader.datasets import ImageRecordDataset, RecordFileDataset
-from aioloader.errors import RecordIOError
+from aioloader.errors import RecordIOError, add_note
 from aioloader.io import ObjectStore, ObjectStoreError, StoreTimeoutError, TransientStoreError, read_file
 from aioloader.transforms import Resize
 from tests._remote_fixtures import HTTPServer, S3Server, http_server, jpegs, s3
@@ -123,9 +123,12 @@ def test_http_url_and_failure_classes(http_server: HTTPServer, jpegs: dict[str, 
     with pytest.raises(TransientStoreError) as reset:
         store.get_sync("reset/x")
     assert reset.value.status is None
-    # Errors travel from workers to the consumer by pickling.
+    # Errors travel from workers to the consumer by pickling, notes and all.
+    add_note(info.value, "while loading sample 7")
     again = pickle.loads(pickle.dumps(info.value))
     assert type(again) is TransientStoreError and again.status == 429 and str(again) == str(info.value)
+    assert again.key == info.value.key and again.url == info.value.url
+    assert getattr(again, "__notes__", None) == ["while loading sample 7"]
 
 
 def test_timeouts_and_refused_connections_are_transient(http_server: HTTPServer) -> None:

@@ -90,7 +90,9 @@ class ObjectStoreError(OSError):
         self.status = status
 
     def __reduce__(self) -> Any:
-        return (_rebuild_error, (type(self), str(self), self.key, self.url, self.status))
+        # Keyword-only arguments defeat the default pickling; the state (``__dict__``)
+        # carries the rest, exception notes included.
+        return (_rebuild_error, (type(self), str(self), self.key, self.url, self.status), self.__dict__)
 
 
 class TransientStoreError(ObjectStoreError, ConnectionError):
