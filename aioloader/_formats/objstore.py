@@ -7,10 +7,12 @@ never imports asyncio itself. obstore is imported only when a store is made.
 
 from __future__ import annotations
 
+import atexit
 import errno
 import os
 import re
 import threading
+import time
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -142,6 +144,27 @@ def translate(err: BaseException, key: str | None, url: str) -> BaseException:
     return ObjectStoreError(message, key=key, url=url, status=status)
 
 
+def _hand_over_at_exit() -> None:
+    # obstore's runtime threads finish each async request by dropping Python objects,
+    # for which they wait for the GIL. A thread that gets it while the interpreter is
+    # finalizing is ended by a forced unwind, which Rust turns into abort(): a script that
+    # exits right after an async request died with SIGABRT about one time in five here.
+    # Releasing the GIL a few times before finalization lets those threads finish (20 ms
+    # at most; measured: 15 in 80 runs aborted without this, 0 in 80 with it, also with
+    # requests still in flight at exit).
+    for _ in range(20):
+        time.sleep(0.001)
+
+
+_exit_hook = [False]
+
+
+def _before_async_request() -> None:
+    if not _exit_hook[0]:
+        _exit_hook[0] = True
+        atexit.register(_hand_over_at_exit)
+
+
 def _import_obstore() -> Any:
     try:
         import obstore
@@ -208,7 +231,9 @@ class ObjectStore:
         if not isinstance(url, str) or not is_url(url):
             schemes = ", ".join(f"{s}://" for s in SCHEMES)
             raise ValueError(f"ObjectStore: url must start with one of {schemes}; got {url!r}")
-        self.url = url.rstrip("/") if not url.endswith(":///") else url
+        stripped = url.rstrip("/")
+        # "file:///" (the root) keeps its slashes; elsewhere a trailing slash means nothing.
+        self.url = stripped if not stripped.endswith(":") else stripped + "///"
         self.options = dict(options)
         self._lock = threading.Lock()
         self._client: obstore.store.ObjectStore | None = None
@@ -252,6 +277,7 @@ class ObjectStore:
     async def get(self, key: str) -> bytes:
         """The whole object ``key``."""
         obstore, client = _import_obstore(), self.client
+        _before_async_request()
         try:
             result = await obstore.get_async(client, key)
             return _bytes(await result.bytes_async())
@@ -268,6 +294,7 @@ class ObjectStore:
         if _empty_range(key, start, end):
             return b""
         obstore, client = _import_obstore(), self.client
+        _before_async_request()
         try:
             return _bytes(await obstore.get_range_async(client, key, start=start, end=end))
         except Exception as err:
