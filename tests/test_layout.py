@@ -28,6 +28,7 @@ PUBLIC_FACES = {
     "aioloader.transforms": ["CenterCrop", "Compose", "ImageLike", "Interpolation", "Normalize",
                              "RandomHorizontalFlip", "RandomResizedCrop", "Resize", "ToArray", "sample_rng"],
     "aioloader.sources": ["follow_lines", "read_files", "watch_folder"],
+    "aioloader.io": ["ObjectStore", "ObjectStoreError", "StoreTimeoutError", "TransientStoreError", "read_file"],
 }
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeAlias
 
 import numpy as np
@@ -13,8 +13,10 @@ from PIL import Image
 
 from ..errors import ImageDecodeError, RecordIOError
 from .image_record import unpack_header
+from .objstore import is_url
 from .rio_files import StrPath
 from .rio_index import IndexedRecordReader
+from .rio_remote import RecordDecoder, RecordSpan, RemoteRecordFile
 
 IMG_EXTENSIONS: tuple[str, ...] = (
     ".bmp",
@@ -170,11 +172,31 @@ class ImageFolder:
         return f"{type(self).__name__}({self.root!r}, classes={len(self.classes)}, samples={len(self)})"
 
 
-class _RecordDataset:
-    """What both record datasets share: one indexed reader, used by position."""
+RemoteParts: TypeAlias = "tuple[Sequence[RecordSpan], Callable[[RecordSpan], Awaitable[Any]], Callable[[Any], Any]]"
+"""What ``__aioloader_remote__()`` returns: ``(items, fetch, transform)``."""
 
-    def __init__(self, path: StrPath, idx_path: StrPath | None = None) -> None:
-        self.reader = IndexedRecordReader(path, idx_path)
+
+class _RecordDataset:
+    """What both record datasets share: one indexed reader (local or remote), used by position."""
+
+    reader: IndexedRecordReader | RemoteRecordFile
+
+    def __init__(
+        self,
+        path: StrPath,
+        idx_path: StrPath | None = None,
+        *,
+        store_options: dict[str, Any] | None = None,
+    ) -> None:
+        if is_url(path):
+            self.reader = RemoteRecordFile(str(path), idx_path, store_options)
+        elif store_options is not None:
+            raise ValueError(
+                f"store_options is for record files at an object-store URL (s3://, gs://, az://, "
+                f"http(s)://, file://); {os.fspath(path)!r} is a local path"
+            )
+        else:
+            self.reader = IndexedRecordReader(path, idx_path)
 
     @property
     def keys(self) -> npt.NDArray[np.int64]:
@@ -188,6 +210,30 @@ class _RecordDataset:
         """Close the underlying reader's descriptor in this process (copies keep theirs)."""
         self.reader.close()
 
+    @property
+    def __aioloader_remote__(self) -> Callable[[], RemoteParts]:
+        """For a record file at a URL: the method that splits reading for the fetch stage.
+
+        Calling it returns ``(items, fetch, transform)``: ``items[i]`` describes record
+        ``i`` (a small picklable :class:`RecordSpan`), ``await fetch(item)`` range-reads
+        its bytes on the event loop, and ``transform(raw)`` (picklable, run in a worker)
+        turns them into exactly what ``dataset[i]`` returns. The attribute does not exist
+        (:class:`AttributeError`; ``hasattr`` is False) for a local file: there is
+        nothing to fetch, and workers read the file directly.
+        """
+        reader = self.reader
+        if not isinstance(reader, RemoteRecordFile):
+            raise AttributeError(f"{type(self).__name__} over a local file has no fetch stage")
+        return self._remote_parts
+
+    def _remote_parts(self) -> RemoteParts:
+        reader = self.reader
+        assert isinstance(reader, RemoteRecordFile)
+        return reader.spans, reader.fetcher, self._from_raw(reader.decoder)
+
+    def _from_raw(self, decoder: RecordDecoder) -> Callable[[Any], Any]:
+        return decoder
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.reader.path!r}, records={len(self)})"
 
@@ -199,6 +245,13 @@ class RecordFileDataset(_RecordDataset):
     indices count from the end). ``idx_path`` defaults to the ``.rec`` path with its
     extension replaced by ``.idx``. Errors are those of
     :class:`~aioloader.recordio.IndexedRecordReader`.
+
+    ``path`` may be an object-store URL (``"s3://bucket/train.rec"``, ``gs://``,
+    ``az://``, ``http(s)://``, ``file://``); ``store_options`` are then the
+    :class:`aioloader.io.ObjectStore` options (``endpoint``, ``region``,
+    ``skip_signature``...), and ``idx_path`` may be a URL or a local path. The ``.idx``
+    is read once, here; each record is a range read, blocking in a worker for
+    ``dataset[i]``, or on the event loop through ``__aioloader_remote__``.
     """
 
     def __getitem__(self, index: int) -> bytes:
@@ -213,7 +266,8 @@ class ImageRecordDataset(_RecordDataset):
     value as a ``numpy.float32``; when ``flag > 0`` it is a ``float32`` array of the
     ``flag`` values stored after the header. Images are decoded to RGB (MXNet's own
     helpers give BGR; reverse the last axis for that). See the module docstring for
-    ``transform``.
+    ``transform``. ``path`` may be an object-store URL, with ``store_options``, as for
+    :class:`RecordFileDataset`.
 
     Raises :class:`~aioloader.errors.RecordIOError` for a malformed file or header and
     :class:`ImageDecodeError` when the image bytes do not decode.
@@ -225,26 +279,44 @@ class ImageRecordDataset(_RecordDataset):
         transform: Transform | None = None,
         *,
         idx_path: StrPath | None = None,
+        store_options: dict[str, Any] | None = None,
     ) -> None:
-        super().__init__(path, idx_path)
+        super().__init__(path, idx_path, store_options=store_options)
         self.transform = transform
 
     def header(self, index: int) -> tuple[int, Label, int, int]:
         """``(flag, label, id, id2)`` of sample ``index``, without decoding the image."""
-        h, _ = self._split(index)
-        return h.flag, _label(h.flag, h.label), h.id, h.id2
-
-    def _split(self, index: int) -> tuple[Any, bytes]:
         i = _normalize_index(index, len(self))
-        key = int(self.reader.keys[i])
         record = self.reader.read_position(i)
-        return unpack_header(record, path=self.reader.path, key=key)
+        h, _ = unpack_header(record, path=self.reader.path, key=int(self.reader.keys[i]))
+        return h.flag, _label(h.flag, h.label), h.id, h.id2
 
     def __getitem__(self, index: int) -> tuple[Any, Label]:
         i = _normalize_index(index, len(self))
-        head, encoded = self._split(i)
-        img = _decode_rgb(encoded, path=self.reader.path, key=int(self.reader.keys[i]))
-        return _finish(img, self.transform), _label(head.flag, head.label)
+        record = self.reader.read_position(i)
+        return image_sample(record, path=self.reader.path, key=int(self.reader.keys[i]), transform=self.transform)
+
+    def _from_raw(self, decoder: RecordDecoder) -> Callable[[Any], Any]:
+        return _ImageFromRaw(decoder, self.transform)
+
+
+def image_sample(record: bytes, *, path: str, key: int, transform: Transform | None) -> tuple[Any, Label]:
+    """An image record's ``(image, label)``, as :class:`ImageRecordDataset` returns it."""
+    head, encoded = unpack_header(record, path=path, key=key)
+    img = _decode_rgb(encoded, path=path, key=key)
+    return _finish(img, transform), _label(head.flag, head.label)
+
+
+class _ImageFromRaw:
+    """The fetch stage's transform for image records: fetched bytes -> ``(image, label)``."""
+
+    def __init__(self, decoder: RecordDecoder, transform: Transform | None) -> None:
+        self.decoder = decoder
+        self.transform = transform
+
+    def __call__(self, raw: tuple[RecordSpan, bytes]) -> tuple[Any, Label]:
+        record = self.decoder(raw)
+        return image_sample(record, path=self.decoder.path, key=raw[0].key, transform=self.transform)
 
 
 def _label(flag: int, value: Any) -> Label:

@@ -14,7 +14,7 @@ import struct
 import threading
 import weakref
 from types import TracebackType
-from typing import Any, TypeAlias, TypeVar
+from typing import Any, Protocol, TypeAlias, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -179,6 +179,17 @@ def pread_full(fd: int, n: int, offset: int) -> bytes:
     return b"".join(pieces)
 
 
+class ByteWindow(Protocol):
+    """What the record decoder reads from: a file or an object of ``size`` bytes."""
+
+    @property
+    def size(self) -> int: ...
+
+    def available(self, offset: int, n: int) -> bool: ...
+
+    def get(self, offset: int, n: int) -> bytes: ...
+
+
 class Window:
     """Bytes ``[start, start + len(data))`` of a file, refilled on demand.
 
@@ -194,6 +205,10 @@ class Window:
         self.start = start
         self.data = data
         self.chunk = chunk
+
+    @property
+    def size(self) -> int:
+        return self.handle.size
 
     def available(self, offset: int, n: int) -> bool:
         """True when ``[offset, offset + n)`` lies inside the file."""

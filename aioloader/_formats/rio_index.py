@@ -13,7 +13,7 @@ import numpy.typing as npt
 from .rio_files import StrPath, Window, default_idx_path, fail, pread_full
 from .rio_read import ReaderBase, read_record
 
-__all__ = ["IndexedRecordReader"]
+__all__ = ["IndexedAccess", "IndexedRecordReader", "index_from_arrays", "index_from_bytes"]
 
 # An indexed read fetches the whole span up to the next indexed offset in one pread when
 # it is at most this long; longer spans are read header first, then exactly.
@@ -118,7 +118,23 @@ def _build_index(
         raise FileNotFoundError(
             err.errno, f"index file of {rec_path} not found", idx_path
         ) from None
+    return index_from_bytes(rec_path, idx_path, data, rec_size)
+
+
+def index_from_bytes(rec_path: str, idx_path: str, data: bytes, rec_size: int) -> _Index:
+    """Parse and check the ``.idx`` text ``data`` of a record file of ``rec_size`` bytes."""
     keys, offsets = _parse_index(idx_path, data)
+    return index_from_arrays(rec_path, idx_path, keys, offsets, rec_size)
+
+
+def index_from_arrays(
+    rec_path: str,
+    idx_path: str,
+    keys: npt.NDArray[np.int64],
+    offsets: npt.NDArray[np.int64],
+    rec_size: int,
+) -> _Index:
+    """The index of parsed ``keys`` and ``offsets``; checks that every offset is in the file."""
     beyond = offsets + 8 > rec_size
     if beyond.any():
         pos = int(np.argmax(beyond))
@@ -149,30 +165,13 @@ def _build_index(
     return _Index(keys, offsets, ends, sorted_keys, order, first_key)
 
 
-class IndexedRecordReader(ReaderBase):
-    """Random access to a ``.rec`` file through its ``.idx``: by key or by position.
+class IndexedAccess:
+    """Lookups by key and by position over a parsed ``.idx``; what the reader adds is ``_read_position``."""
 
-    ``idx_path`` defaults to the ``.rec`` path with its extension replaced by ``.idx``
-    (what MXNet's ``RecordFileDataset`` assumes). Keys are integers (MXNet's default
-    ``key_type``). When a key appears twice in the ``.idx`` the later line wins for
-    :meth:`read`, as in MXNet; :attr:`keys` and positions keep every line.
+    _index: _Index
 
-    The index is parsed once, at construction (errors surface here), and kept as
-    read-only numpy arrays for the life of the object, including across the reopen that
-    follows a fork. Pickling sends only the two paths; the copy parses the index again
-    when it is unpickled and opens the file on first use.
-
-    Raises :class:`~aioloader.errors.RecordIOError` for a malformed ``.idx`` line, an
-    offset past the end of the ``.rec`` (at construction) and for any malformed record
-    (when it is read); :class:`FileNotFoundError` when either file is missing.
-    """
-
-    def __init__(self, path: StrPath, idx_path: StrPath | None = None) -> None:
-        self._open_handle(path)
-        self.idx_path = (
-            default_idx_path(self.path) if idx_path is None else os.fsdecode(os.fspath(idx_path))
-        )
-        self._index = _build_index(self.path, self.idx_path, self._handle.size)
+    def _read_position(self, p: int) -> bytes:
+        raise NotImplementedError
 
     # -- the index
     @property
@@ -230,6 +229,37 @@ class IndexedRecordReader(ReaderBase):
             raise IndexError(f"record position {position} out of range for {n} records")
         return self._read_position(p)
 
+    def __iter__(self) -> Iterator[bytes]:
+        """Payloads in ``.idx`` order."""
+        for p in range(len(self)):
+            yield self._read_position(p)
+
+
+class IndexedRecordReader(ReaderBase, IndexedAccess):
+    """Random access to a ``.rec`` file through its ``.idx``: by key or by position.
+
+    ``idx_path`` defaults to the ``.rec`` path with its extension replaced by ``.idx``
+    (what MXNet's ``RecordFileDataset`` assumes). Keys are integers (MXNet's default
+    ``key_type``). When a key appears twice in the ``.idx`` the later line wins for
+    :meth:`read`, as in MXNet; :attr:`keys` and positions keep every line.
+
+    The index is parsed once, at construction (errors surface here), and kept as
+    read-only numpy arrays for the life of the object, including across the reopen that
+    follows a fork. Pickling sends only the two paths; the copy parses the index again
+    when it is unpickled and opens the file on first use.
+
+    Raises :class:`~aioloader.errors.RecordIOError` for a malformed ``.idx`` line, an
+    offset past the end of the ``.rec`` (at construction) and for any malformed record
+    (when it is read); :class:`FileNotFoundError` when either file is missing.
+    """
+
+    def __init__(self, path: StrPath, idx_path: StrPath | None = None) -> None:
+        self._open_handle(path)
+        self.idx_path = (
+            default_idx_path(self.path) if idx_path is None else os.fsdecode(os.fspath(idx_path))
+        )
+        self._index = _build_index(self.path, self.idx_path, self._handle.size)
+
     def _read_position(self, p: int) -> bytes:
         index = self._index
         offset = int(index.offsets[p])
@@ -248,11 +278,6 @@ class IndexedRecordReader(ReaderBase):
         finally:
             handle.release()
         return payload
-
-    def __iter__(self) -> Iterator[bytes]:
-        """Payloads in ``.idx`` order."""
-        for p in range(len(self)):
-            yield self._read_position(p)
 
     # -- pickling: paths only
     def __getstate__(self) -> dict[str, Any]:

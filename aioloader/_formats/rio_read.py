@@ -13,6 +13,7 @@ from .rio_files import (
     MAGIC_BYTES,
     MAX_RECORD_SIZE,
     PART,
+    ByteWindow,
     Closing,
     FileHandle,
     StrPath,
@@ -28,7 +29,7 @@ _SCAN_CHUNK = 1 << 20
 
 
 def read_record(
-    window: Window,
+    window: ByteWindow,
     offset: int,
     *,
     path: str,
@@ -45,16 +46,16 @@ def read_record(
     while True:
         if not window.available(pos, 8):
             if first and from_index:
-                msg = f"offset is past the end of the file ({window.handle.size} bytes)"
-                if pos < window.handle.size:
+                msg = f"offset is past the end of the file ({window.size} bytes)"
+                if pos < window.size:
                     msg = (
-                        f"only {window.handle.size - pos} bytes left, too few for a record "
+                        f"only {window.size - pos} bytes left, too few for a record "
                         f"header; the offset does not point at a record"
                     )
                 raise fail(msg, path, key, offset)
             raise fail(
                 f"truncated record: the part header at byte {pos} is cut off by the end "
-                f"of the file ({window.handle.size} bytes)",
+                f"of the file ({window.size} bytes)",
                 path,
                 key,
                 offset,
@@ -99,7 +100,7 @@ def read_record(
         if not window.available(pos + 8, padded):
             raise fail(
                 f"truncated record: the part at byte {pos} needs {8 + padded} bytes, the "
-                f"file ends at byte {window.handle.size}",
+                f"file ends at byte {window.size}",
                 path,
                 key,
                 offset,
