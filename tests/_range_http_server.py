@@ -1,6 +1,6 @@
 """A static file server with byte ranges, on 127.0.0.1, in a process of its own.
 
-Run as ``python tests/_http_server.py <folder>``: it serves the files of ``<folder>``,
+Run as ``python tests/_range_http_server.py <folder>``: it serves the files of ``<folder>``,
 answers ``Range: bytes=a-b`` with 206 (Python's own ``http.server`` ignores ranges),
 prints ``PORT <n>`` once it listens, and stops when its standard input is closed.
 Paths under ``/status/<code>/`` answer with that HTTP status instead (to test how

@@ -1,6 +1,6 @@
 """Fixtures for the remote tests: a real S3 server (moto) and a real HTTP server.
 
-Each server runs in a process of its own (``tests/_s3_server.py``, ``tests/_http_server.py``),
+Each server runs in a process of its own (``tests/_s3_server.py``, ``tests/_range_http_server.py``),
 bound to 127.0.0.1 on a free port that it prints once it listens; the fixture reads that
 line under a deadline (no fixed sleep), and after the last test of the module that uses
 it closes the server's standard input and waits for it to exit (terminating it only if
@@ -177,7 +177,7 @@ def http_server(tmp_path_factory: pytest.TempPathFactory, jpegs: dict[str, bytes
     (root / "jpegs").mkdir()
     for name, data in jpegs.items():
         (root / "jpegs" / name).write_bytes(data)
-    proc, port = _start("_http_server.py", str(root))
+    proc, port = _start("_range_http_server.py", str(root))
     try:
         yield HTTPServer(f"http://127.0.0.1:{port}", root)
     finally:
