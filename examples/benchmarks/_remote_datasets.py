@@ -13,7 +13,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-__all__ = ["HttpFetch", "TorchHttpJpegs", "decode_train", "jpeg_items"]
+__all__ = ["HttpFetch", "RawHttpFetch", "TorchHttpJpegs", "decode_train", "jpeg_items"]
 
 _TRANSFORM: Any = None
 
@@ -72,6 +72,49 @@ class HttpFetch:
         session = self.sessions.pop(asyncio.get_running_loop(), None)
         if session is not None:
             await session.close()
+
+
+class RawHttpFetch:
+    """The same GET as :class:`HttpFetch` on a minimal HTTP/1.1 client (asyncio streams):
+    a pool of idle keep-alive connections per event loop, ``Content-Length`` bodies only.
+
+    Not a client to ship; it tells how much of the main process's CPU time per image is
+    aiohttp's machinery rather than the loader's or the socket's.
+    """
+
+    def __init__(self, base: str, latency_ms: float) -> None:
+        host, _, port = base.removeprefix("http://").partition(":")
+        self.host, self.port = host, int(port or 80)
+        self.query = f"?latency_ms={latency_ms:g}"
+        self.pools: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, list[Any]] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    async def __call__(self, item: tuple[str, int]) -> tuple[bytes, int]:
+        path, label = item
+        pool = self.pools.setdefault(asyncio.get_running_loop(), [])
+        reader, writer = pool.pop() if pool else await asyncio.open_connection(self.host, self.port)
+        try:
+            writer.write(f"GET {path}{self.query} HTTP/1.1\r\nHost: {self.host}\r\n\r\n".encode())
+            head = await reader.readuntil(b"\r\n\r\n")
+            status = int(head.split(b" ", 2)[1])
+            length = next(
+                int(line.split(b":", 1)[1])
+                for line in head.split(b"\r\n")
+                if line.lower().startswith(b"content-length:")
+            )
+            body = await reader.readexactly(length)
+        except BaseException:
+            writer.close()
+            raise
+        pool.append((reader, writer))
+        if status != 200:
+            raise OSError(f"GET {path}: HTTP {status}")
+        return body, label
+
+    async def aclose(self) -> None:
+        for _reader, writer in self.pools.pop(asyncio.get_running_loop(), []):
+            writer.close()
 
 
 class TorchHttpJpegs:

@@ -47,7 +47,13 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
+from bench_suite import _cpu_by_thread, _thread_cpu, _thread_names  # noqa: E402
+
 CONTENDERS = ("torch-2", "torch-16", "aioloader-fetch", "aioloader-local")
+# Not in the default run: aioloader-fetch on a minimal asyncio-streams client, to tell
+# aiohttp's share of the main process's CPU time from the loader's.
+EXTRA = ("aioloader-fetch-raw",)
+FETCHERS = ("aioloader-fetch", "aioloader-fetch-raw")
 TORCH_WORKERS = {"torch-2": 2, "torch-16": 16}
 LOCAL = "aioloader-local"
 AIO_WORKERS = 2
@@ -74,7 +80,8 @@ def _make_loader(spec: dict[str, Any]) -> Any:
         return aioloader.DataLoader(
             bd.jpeg_dataset(spec["root"]), bs, shuffle=True, num_workers=AIO_WORKERS, seed=0
         )
-    fetch = rd.HttpFetch(f"http://127.0.0.1:{spec['port']}", spec["latency_ms"])
+    client = rd.RawHttpFetch if kind == "aioloader-fetch-raw" else rd.HttpFetch
+    fetch = client(f"http://127.0.0.1:{spec['port']}", spec["latency_ms"])
     return aioloader.DataLoader(
         rd.jpeg_items(spec["root"]), bs, shuffle=True, num_workers=AIO_WORKERS, seed=0,
         fetch=fetch, transform=rd.decode_train, io_concurrency=spec["io_concurrency"],
@@ -94,6 +101,7 @@ def child_main(spec: dict[str, Any]) -> int:
     warm = samples = batches = 0
     t0 = c0 = t_last = 0.0
     measuring = False
+    threads: dict[int, float] = {}
     for batch in _batches(loader, spec["epochs"]):
         now = time.perf_counter()
         if not measuring:
@@ -101,6 +109,7 @@ def child_main(spec: dict[str, Any]) -> int:
             warm += 1
             if warm >= spec["warmup_batches"] or now - t_make >= spec["warmup_s"]:
                 measuring, t0, c0 = True, now, time.process_time()
+                threads = _thread_cpu()
             continue
         samples += len(batch[1])
         batches += 1
@@ -109,11 +118,12 @@ def child_main(spec: dict[str, Any]) -> int:
         if now - t0 >= spec["max_s"]:
             break
     cpu = time.process_time() - c0
+    by_thread = _cpu_by_thread(threads, _thread_cpu(), _thread_names())
     if not samples:
         raise SystemExit("no batch was measured: give more images, epochs, or a smaller --batch-size")
     result: dict[str, Any] = {
         "samples": samples, "batches": batches, "wall_s": t_last - t0, "cpu_s": cpu,
-        "first_batch_s": first, "warmup_batches": warm,
+        "first_batch_s": first, "warmup_batches": warm, "cpu_by_thread_s": by_thread,
     }  # fmt: skip
     if spec["contender"].startswith("aioloader"):
         st = loader.stats()
@@ -252,22 +262,24 @@ def cell(contender: str, latency: float | None) -> str:
 
 
 def ratios(rows: dict[str, dict[str, Any]], latencies: list[float]) -> dict[str, dict[str, float]]:
+    """Each fetch contender against the local ceiling and torch, per latency."""
     out: dict[str, dict[str, float]] = {}
     local = rows.get(LOCAL)
-    for lat in latencies:
-        aio = rows.get(cell("aioloader-fetch", lat))
-        if aio is None:
-            continue
-        r: dict[str, float] = {}
-        if local:
-            r["vs_local"] = aio["images_per_s"] / local["images_per_s"]
-        for t in TORCH_WORKERS:
-            other = rows.get(cell(t, lat))
-            if other:
-                r[f"vs_{t}"] = aio["images_per_s"] / other["images_per_s"]
-                r[f"pss_vs_{t}"] = aio["peak_pss_mb"] / other["peak_pss_mb"]
-                r[f"rss_vs_{t}"] = aio["peak_rss_mb"] / other["peak_rss_mb"]
-        out[f"{lat:g}ms"] = r
+    for who in FETCHERS:
+        for lat in latencies:
+            aio = rows.get(cell(who, lat))
+            if aio is None:
+                continue
+            r: dict[str, float] = {}
+            if local:
+                r["vs_local"] = aio["images_per_s"] / local["images_per_s"]
+            for t in TORCH_WORKERS:
+                other = rows.get(cell(t, lat))
+                if other:
+                    r[f"vs_{t}"] = aio["images_per_s"] / other["images_per_s"]
+                    r[f"pss_vs_{t}"] = aio["peak_pss_mb"] / other["peak_pss_mb"]
+                    r[f"rss_vs_{t}"] = aio["peak_rss_mb"] / other["peak_rss_mb"]
+            out[cell(who, lat)] = r
     return out
 
 
@@ -285,7 +297,7 @@ def fmt_table(rows: dict[str, dict[str, Any]], rat: dict[str, dict[str, float]])
             f"| {row['processes']} | {row['server_cpu_s']:.2f} |"
         )
     lines.append("")
-    for lat, r in rat.items():
+    for name, r in rat.items():
         parts = [f"{r['vs_local']:.2f}x local files"] if "vs_local" in r else []
         for t in TORCH_WORKERS:
             if f"vs_{t}" in r:
@@ -294,7 +306,8 @@ def fmt_table(rows: dict[str, dict[str, Any]], rat: dict[str, dict[str, float]])
             parts.append(
                 f"memory {r['pss_vs_torch-16']:.2f}x torch-16 (PSS; RSS {r['rss_vs_torch-16']:.2f}x)"
             )
-        lines.append(f"aioloader-fetch at {lat.replace('ms', ' ms')}: " + ", ".join(parts))
+        who, _, lat = name.partition("@")
+        lines.append(f"{who} at {lat.replace('ms', ' ms')}: " + ", ".join(parts))
     return "\n".join(lines)
 
 
@@ -304,7 +317,13 @@ def draw_png(rows: dict[str, dict[str, Any]], latencies: list[float], path: Path
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"aioloader-fetch": "#2a7ab0", "torch-2": "#f2c14e", "torch-16": "#e08a2c"}
+    colors = {
+        "aioloader-fetch": "#2a7ab0",
+        "aioloader-fetch-raw": "#7fb3d5",
+        "torch-2": "#f2c14e",
+        "torch-16": "#e08a2c",
+    }
+    colors = {k: v for k, v in colors.items() if any(cell(k, lat) in rows for lat in latencies)}
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     width = 0.8 / len(colors)
     for ax, key, label in (
@@ -312,7 +331,11 @@ def draw_png(rows: dict[str, dict[str, Any]], latencies: list[float], path: Path
         (axes[1], "peak_pss_mb", "peak total PSS (MiB)"),
     ):
         for j, who in enumerate(colors):
-            xs = [i + (j - 1) * width for i, lat in enumerate(latencies) if cell(who, lat) in rows]
+            xs = [
+                i + (j - (len(colors) - 1) / 2) * width
+                for i, lat in enumerate(latencies)
+                if cell(who, lat) in rows
+            ]
             vs = [rows[cell(who, lat)][key] for lat in latencies if cell(who, lat) in rows]
             bars = ax.bar(xs, vs, width, label=who, color=colors[who])
             for bar, v in zip(bars, vs, strict=True):
@@ -342,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3, help="repetitions per cell (default 3)")
     parser.add_argument("--latency", default="0,10,50", help="comma-separated ms added per request")
     parser.add_argument(
-        "--contenders", default=",".join(CONTENDERS), help="comma-separated: " + ", ".join(CONTENDERS)
+        "--contenders", default=",".join(CONTENDERS), help="comma-separated: " + ", ".join(CONTENDERS + EXTRA)
     )
     parser.add_argument("--io-concurrency", type=int, default=128, help="aioloader-fetch's io_concurrency")
     parser.add_argument(
@@ -350,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--epochs", type=int, default=2, help="most epochs per run (warm-up included)")
-    parser.add_argument("--max-seconds", type=float, default=6.0, help="most measured seconds per run")
+    parser.add_argument("--max-seconds", type=float, default=5.0, help="most measured seconds per run")
     parser.add_argument("--cache", type=Path, default=None, help="JPEG folder (default ~/.cache/aioloader)")
     parser.add_argument("--json", type=Path, default=None, help="write all results here")
     parser.add_argument("--png", type=Path, default=None, help="draw the chart here (e.g. docs/remote.png)")
@@ -360,9 +383,11 @@ def main(argv: list[str] | None = None) -> int:
         return child_main(json.loads(args.child))
 
     contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
-    unknown = sorted(set(contenders) - set(CONTENDERS))
+    unknown = sorted(set(contenders) - set(CONTENDERS + EXTRA))
     if unknown:
-        parser.error(f"--contenders: unknown {', '.join(unknown)} (choose from {', '.join(CONTENDERS)})")
+        parser.error(
+            f"--contenders: unknown {', '.join(unknown)} (choose from {', '.join(CONTENDERS + EXTRA)})"
+        )
     if any(c in TORCH_WORKERS for c in contenders) and importlib.util.find_spec("torch") is None:
         sys.exit(
             'torch is not installed: pip install -e ".[bench]" (pins torch==2.13.0), or leave out the torch contenders'
