@@ -53,18 +53,14 @@ class HttpFetch:
         self.query = f"?latency_ms={latency_ms:g}"
         self.sessions: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = weakref.WeakKeyDictionary()
 
-    def _session(self) -> Any:
-        import aiohttp
-
-        loop = asyncio.get_running_loop()
-        session = self.sessions.get(loop)
-        if session is None:
-            session = self.sessions[loop] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-        return session
-
     async def __call__(self, item: tuple[str, int]) -> tuple[bytes, int]:
         path, label = item
-        async with self._session().get(self.base + path + self.query) as resp:
+        loop = asyncio.get_running_loop()
+        if loop not in self.sessions:
+            import aiohttp
+
+            self.sessions[loop] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        async with self.sessions[loop].get(self.base + path + self.query) as resp:
             resp.raise_for_status()
             return await resp.read(), label
 

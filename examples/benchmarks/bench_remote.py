@@ -352,7 +352,6 @@ def draw_png(rows: dict[str, dict[str, Any]], latencies: list[float], path: Path
     axes[0].legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
