@@ -153,24 +153,44 @@ def _children() -> dict[int, list[int]]:
     return kids
 
 
-def tree_memory_mb(pid: int) -> tuple[float, float, int]:
-    """(PSS, RSS, processes) summed over ``pid`` and all its descendants."""
+def _role(pid: int, root: int, parent: str) -> str:
+    if pid == root:
+        return "main"
+    if parent == "forkserver":
+        return "worker"  # forked by the forkserver: its command line is the forkserver's
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read()
+    except OSError:
+        return "?"
+    for role in (b"forkserver", b"resource_tracker"):
+        if role in cmd:
+            return role.decode()
+    return "worker"
+
+
+def tree_memory_mb(pid: int) -> tuple[float, float, dict[str, list[float]]]:
+    """(PSS, RSS, PSS of each process by role) over ``pid`` and all its descendants."""
     kids = _children()
-    todo, pss, rss, n = [pid], 0.0, 0.0, 0
+    todo, pss, rss = [(pid, "")], 0.0, 0.0
+    roles: dict[str, list[float]] = {}
     while todo:
-        p = todo.pop()
-        todo.extend(kids.get(p, ()))
+        p, parent = todo.pop()
+        role = _role(p, pid, parent)
+        todo.extend((k, role) for k in kids.get(p, ()))
         try:
             with open(f"/proc/{p}/smaps_rollup") as f:
-                for line in f:
-                    if line.startswith("Pss:"):
-                        pss += int(line.split()[1]) / 1024
-                    elif line.startswith("Rss:"):
-                        rss += int(line.split()[1]) / 1024
-            n += 1
-        except (OSError, ValueError):
+                fields = {
+                    k: int(v.split()[0]) / 1024
+                    for k, _, v in (line.partition(":") for line in f)
+                    if k in ("Pss", "Rss")
+                }
+        except (OSError, ValueError, IndexError):
             continue  # exited meanwhile
-    return pss, rss, n
+        pss += fields.get("Pss", 0.0)
+        rss += fields.get("Rss", 0.0)
+        roles.setdefault(role, []).append(round(fields.get("Pss", 0.0), 1))
+    return pss, rss, roles
 
 
 def proc_cpu_s(pid: int) -> float:
@@ -183,14 +203,16 @@ def run_child(spec: dict[str, Any], server_pid: int, timeout: float) -> dict[str
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)]
     server_cpu0 = proc_cpu_s(server_pid)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    peak = {"pss_mb": 0.0, "rss_mb": 0.0, "processes": 0}
+    peak: dict[str, Any] = {"pss_mb": 0.0, "rss_mb": 0.0, "processes": 0, "pss_by_role_mb": {}}
     done = threading.Event()
 
     def sample() -> None:
         while not done.wait(0.2):
-            pss, rss, n = tree_memory_mb(proc.pid)
+            pss, rss, roles = tree_memory_mb(proc.pid)
             if pss > peak["pss_mb"]:
-                peak.update(pss_mb=pss, rss_mb=rss, processes=n)
+                peak.update(
+                    pss_mb=pss, rss_mb=rss, processes=sum(map(len, roles.values())), pss_by_role_mb=roles
+                )
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -251,6 +273,8 @@ def summarize(raw: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]
             "first_batch_s": med(r["first_batch_s"] for r in reps),
             "reps": len(reps),
         }
+        mid = sorted(reps, key=lambda r: r["pss_mb"])[len(reps) // 2]  # the run of the median PSS
+        rows[cell]["pss_by_role_mb"] = {k: round(sum(v), 1) for k, v in mid["pss_by_role_mb"].items()}
         for key in ("worker_busy", "fetch_peak_in_flight", "fetch_wait_s"):
             if key in reps[0]:
                 rows[cell][key] = med(r[key] for r in reps)
@@ -349,9 +373,10 @@ def draw_png(rows: dict[str, dict[str, Any]], latencies: list[float], path: Path
         ax.set_xlabel("latency added per request")
         ax.set_title(label, fontsize=10)
         ax.margins(y=0.15)
-    axes[0].legend(fontsize=8)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
