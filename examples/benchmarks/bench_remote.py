@@ -85,6 +85,7 @@ def _make_loader(spec: dict[str, Any]) -> Any:
     return aioloader.DataLoader(
         rd.jpeg_items(spec["root"]), bs, shuffle=True, num_workers=AIO_WORKERS, seed=0,
         fetch=fetch, transform=rd.decode_train, io_concurrency=spec["io_concurrency"],
+        **({"io_buffer": int(spec["io_buffer_mib"] * 2**20)} if spec.get("io_buffer_mib") else {}),
     )  # fmt: skip
 
 
@@ -395,6 +396,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--server", choices=("raw", "aiohttp"), default="raw", help="HTTP server implementation"
     )
+    parser.add_argument(
+        "--io-buffer-mib",
+        type=float,
+        default=None,
+        help="the fetch contenders' io_buffer (default: the loader's)",
+    )
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--epochs", type=int, default=2, help="most epochs per run (warm-up included)")
     parser.add_argument("--max-seconds", type=float, default=5.0, help="most measured seconds per run")
@@ -424,6 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     base = {
         "root": str(root), "batch_size": args.batch_size, "epochs": args.epochs, "max_s": args.max_seconds,
         "warmup_batches": 4, "warmup_s": 2.0, "io_concurrency": args.io_concurrency,
+        "io_buffer_mib": args.io_buffer_mib,
     }  # fmt: skip
     cells = [
         (c, None) if c == LOCAL else (c, lat)
