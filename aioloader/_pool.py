@@ -4,18 +4,19 @@ Ownership: a :class:`WorkerPool` either *owns* its executor (it created it: a pr
 pool, or the single thread of ``num_workers=0``) or *borrows* one the user passed in.
 An owned pool is created on first use, lives across epochs and iterators, is rebuilt
 after a worker dies, and is shut down by :meth:`WorkerPool.close` (or its finalizer).
-A borrowed executor is never shut down or rebuilt by aioloader. Why private attributes of ``ProcessPoolExecutor`` are read here: before Python 3.14 the
+A borrowed executor is never shut down or rebuilt by aioloader.
+
+Why private attributes of ``ProcessPoolExecutor`` are read here: before Python 3.14 the
 public API offers no way to learn which processes a pool runs, to tell which one died,
-or to stop a worker stuck in a task. We read ``_processes`` (pid → Process) and kill
-processes ourselves, only on pools we created; and we call ``_launch_processes`` before
-the first submit, so that every worker starts at once (the executor otherwise spawns one
-per submit that finds no idle worker, and can stay short of ``num_workers``).
+or to stop a worker stuck in a task, so we read ``_processes`` (pid → Process) and kill
+processes ourselves, only on pools we created. ``_launch_processes`` starts every worker
+before the first submit (alone, the executor spawns one per submit that finds no idle
+worker, and can stay short of ``num_workers``).
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
-import multiprocessing as mp
 import os
 import signal
 import threading
@@ -30,33 +31,12 @@ from typing import Any, Literal
 import numpy as np
 
 from . import _byvalue, _worker
+from ._validate import default_mp_context, resolve_context
 from .errors import LoaderClosedError, PoolBrokenError
 
 __all__ = ["CrashInfo", "Generation", "WorkerPool", "default_mp_context", "resolve_context"]
 
 PoolKind = Literal["process", "thread", "external"]
-
-
-def default_mp_context() -> BaseContext:
-    """forkserver where the platform has it, else spawn (never fork: see module doc)."""
-    methods = mp.get_all_start_methods()
-    ctx = mp.get_context("forkserver" if "forkserver" in methods else "spawn")
-    return ctx
-
-
-def resolve_context(mp_context: str | BaseContext | None, name: str = "mp_context") -> BaseContext:
-    """The multiprocessing context that ``mp_context`` names (the default if ``None``);
-    errors name the parameter ``name`` (torch spells it ``multiprocessing_context``)."""
-    if mp_context is None:
-        return default_mp_context()
-    if isinstance(mp_context, str):
-        methods = mp.get_all_start_methods()
-        if mp_context not in methods:
-            raise ValueError(f"{name}: unknown start method {mp_context!r}; this platform has {methods}")
-        return mp.get_context(mp_context)
-    if isinstance(mp_context, BaseContext):
-        return mp_context
-    raise TypeError(f"{name} must be a start method name or a multiprocessing context, got {mp_context!r}")
 
 
 @dataclass
@@ -91,10 +71,6 @@ class Generation:
                 if pid > 0 and start > 0 and task_id >= 0:
                     out[task_id] = (pid, start)
         return out
-
-
-def _is_broken(exc: BaseException) -> bool:
-    return isinstance(exc, BrokenProcessPool)
 
 
 class WorkerPool:
@@ -170,18 +146,14 @@ class WorkerPool:
         An :class:`~aioloader._byvalue.Inherited` payload can reach a worker only as it
         starts: if the live generation has started without it, it is retired, and its
         tasks run again on the next one, which has it (no task counts this as a crash)."""
-        retired = None
         with self._lock:
             self._payloads[token] = payload
             gen = self._gen
-            if isinstance(payload, _byvalue.Inherited) and gen is not None and token not in gen.tokens:
-                gen.crash = CrashInfo({}, {}, known=True)  # nobody's fault: no task is charged
-                self._gen = None
-                self._box[0] = None
-                self.restarts += 1
-                retired = gen
-        if retired is not None:
-            _retire(retired, grace=0.0)
+            if not (isinstance(payload, _byvalue.Inherited) and gen is not None and token not in gen.tokens):
+                return
+            gen.crash = CrashInfo({}, {}, known=True)  # nobody's fault: no task is charged
+            self._drop(gen)
+        _retire(gen, grace=0.0)
 
     def unregister(self, token: str) -> None:
         with self._lock:
@@ -265,7 +237,7 @@ class WorkerPool:
         except RuntimeError as exc:
             if self._closed:
                 raise LoaderClosedError("the worker pool is closed") from exc
-            if _is_broken(exc):
+            if isinstance(exc, BrokenProcessPool):
                 raise
             if self.kind == "external":
                 raise PoolBrokenError(f"the user-supplied executor refused new work: {exc}") from exc
@@ -273,7 +245,7 @@ class WorkerPool:
 
     def is_crash(self, exc: BaseException) -> bool:
         """Does ``exc`` (raised by a task's future) mean a worker died?"""
-        return _is_broken(exc)
+        return isinstance(exc, BrokenProcessPool)
 
     def recover(self, gen: Generation) -> CrashInfo:
         """Called by every task that saw ``gen`` break; the first caller works out who
@@ -287,12 +259,15 @@ class WorkerPool:
                     "an executor it does not own; create a new executor and loader"
                 )
             gen.crash = self._autopsy(gen)
-            if self._gen is gen:
-                self._gen = None
-                self._box[0] = None
-                self.restarts += 1
+            self._drop(gen)
         _retire(gen, grace=0.0)
         return gen.crash
+
+    def _drop(self, gen: Generation) -> None:
+        """Stop handing out ``gen`` (the caller holds the lock); the next task gets a new one."""
+        if self._gen is gen:
+            self._gen = self._box[0] = None
+            self.restarts += 1
 
     @staticmethod
     def _autopsy(gen: Generation) -> CrashInfo:
@@ -335,10 +310,7 @@ class WorkerPool:
     def abandon(self, gen: Generation) -> None:
         """Drop a thread generation whose thread is stuck (a timeout in thread mode)."""
         with self._lock:
-            if self._gen is gen:
-                self._gen = None
-                self._box[0] = None
-                self.restarts += 1
+            self._drop(gen)
         gen.executor.shutdown(wait=False, cancel_futures=True)
         _forget_threads(gen.executor)
 

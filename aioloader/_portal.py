@@ -97,7 +97,12 @@ class Portal:
         exception propagates.
         """
         fatal: list[BaseException] = []
-        fut = self.submit(self._guard(coro, fatal))
+        guarded = self._guard(coro, fatal)
+        try:
+            fut = self.submit(guarded)
+        except BaseException:  # the loop is closed: neither coroutine will ever run
+            _discard(guarded, coro)
+            raise
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             # Wait in slices: a portal closed under us must not leave us waiting on a
@@ -118,6 +123,8 @@ class Portal:
             return result  # type: ignore[return-value]
         except BaseException:
             fut.cancel()
+            if self._closed and not self._thread.is_alive():  # its loop dropped it unrun
+                _discard(guarded, coro)
             raise
 
     def close(self, timeout: float = 30.0) -> None:
@@ -133,3 +140,10 @@ class Portal:
         except RuntimeError:  # loop already closed
             pass
         self._thread.join(timeout)
+
+
+def _discard(*coros: Coroutine[Any, Any, Any]) -> None:
+    """Close coroutines that a dead loop will never run, so that none is reported as
+    "never awaited" (closing one that never started runs nothing)."""
+    for c in coros:
+        c.close()

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
+import multiprocessing as mp
 import sys
 from collections.abc import Iterable, Sequence
+from multiprocessing.context import BaseContext
 from typing import Any
 
 import numpy as np
@@ -138,3 +140,25 @@ def check_map_dataset(dataset: Any) -> int:
     from ._plan.sampler import dataset_length
 
     return dataset_length(dataset)
+
+
+def default_mp_context() -> BaseContext:
+    """forkserver where the platform has it, else spawn (never fork: see module doc)."""
+    methods = mp.get_all_start_methods()
+    ctx = mp.get_context("forkserver" if "forkserver" in methods else "spawn")
+    return ctx
+
+
+def resolve_context(mp_context: str | BaseContext | None, name: str = "mp_context") -> BaseContext:
+    """The multiprocessing context that ``mp_context`` names (the default if ``None``);
+    errors name the parameter ``name`` (torch spells it ``multiprocessing_context``)."""
+    if mp_context is None:
+        return default_mp_context()
+    if isinstance(mp_context, str):
+        methods = mp.get_all_start_methods()
+        if mp_context not in methods:
+            raise ValueError(f"{name}: unknown start method {mp_context!r}; this platform has {methods}")
+        return mp.get_context(mp_context)
+    if isinstance(mp_context, BaseContext):
+        return mp_context
+    raise TypeError(f"{name} must be a start method name or a multiprocessing context, got {mp_context!r}")

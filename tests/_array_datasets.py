@@ -121,3 +121,20 @@ class CountingDataset:
         with self.lock, self.counter.get_lock():
             self.counter.value += 1
         return i
+
+
+class ReportingDataset:
+    """Puts each index on a ``multiprocessing`` queue and writes ``10 * i`` into slot ``i``
+    of a shared ``Array``."""
+
+    def __init__(self, queue: Any, slots: Any) -> None:
+        self.queue = queue
+        self.slots = slots
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def __getitem__(self, i: int) -> int:
+        self.queue.put(i)
+        self.slots[i] = 10 * i
+        return i

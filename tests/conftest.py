@@ -6,6 +6,8 @@ import asyncio
 import gc
 import importlib.util
 import os
+import signal
+import subprocess
 import sys
 import threading
 import time
@@ -37,6 +39,36 @@ def _children(pid: int) -> list[int]:
         except OSError:
             pass
     return out
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process below ``pid`` now (for a consumer: its forkserver, resource
+    tracker and workers), to stop after the consumer is killed."""
+    found: set[int] = set()
+    stack = [pid]
+    while stack:
+        kids = _children(stack.pop())
+        found.update(kids)
+        stack.extend(kids)
+    return found
+
+
+def ctrl_c(script: Path, ready: Callable[[], bool], what: str) -> tuple[subprocess.Popen[bytes], str]:
+    """Run ``script`` in a session of its own, wait until ``ready()``, then do what a
+    terminal's Ctrl-C does (SIGINT to the whole group); the process and its stderr."""
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+    )
+    try:
+        wait_until(lambda: ready() or proc.poll() is not None, 60.0, what)
+        assert proc.poll() is None, proc.communicate()
+        os.killpg(proc.pid, signal.SIGINT)
+        _out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc, err.decode()
 
 
 def _cmdline(pid: int) -> str:

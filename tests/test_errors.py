@@ -29,7 +29,7 @@ from ._datasets import (
     failing_collate,
     failing_init,
 )
-from .conftest import descendant_workers, shm_entries, wait_until
+from .conftest import ctrl_c, descendant_workers, shm_entries, wait_until
 
 WORKERS = [pytest.param(0, id="thread"), pytest.param(2, id="processes")]
 
@@ -310,19 +310,7 @@ def test_ctrl_c_prints_one_traceback_and_leaves_nothing(tmp_path: Path, face: st
         )
     path = tmp_path / "script.py"
     path.write_text(script)
-    proc = subprocess.Popen(
-        [sys.executable, str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
-    )
-    try:
-        wait_until(lambda: ready.exists() or proc.poll() is not None, 60.0, "the script's third batch")
-        assert proc.poll() is None, proc.communicate()
-        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole group
-        _out, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    text = err.decode()
+    proc, text = ctrl_c(path, ready.exists, "the script's third batch")
     assert proc.returncode != 0
     assert text.count("KeyboardInterrupt") == 1, text
     assert "Traceback" in text and text.count("Traceback (most recent call last)") == 1, text

@@ -8,10 +8,6 @@ the peak of concurrent ones, so bounds and refetches are measured where they hap
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import subprocess
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -39,7 +35,7 @@ from ._fetch_helpers import (
     decode_plain,
     make_files,
 )
-from .conftest import wait_until
+from .conftest import ctrl_c, wait_until
 
 Files = tuple[Path, list[tuple[str, int]]]
 
@@ -341,20 +337,7 @@ def test_ctrl_c_with_many_fetches_in_flight(tmp_path: Path, server: Server, file
     root = str(Path(__file__).resolve().parents[1])
     script.write_text(CTRL_C_SCRIPT.format(root=root, items=_slow_items(files, 200), ready=str(ready),
                                            base=server.base, face=face))  # fmt: skip
-    proc = subprocess.Popen(
-        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
-    )
-    try:
-        wait_until(lambda: (ready.exists() and server.stats()["current"] == 100) or proc.poll() is not None,
-                   60.0, "100 requests at the server")  # fmt: skip
-        assert proc.poll() is None, proc.communicate()
-        os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C
-        _out, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    text = err.decode()
+    proc, text = ctrl_c(script, lambda: ready.exists() and server.stats()["current"] == 100, "100 requests at the server")
     assert proc.returncode != 0 and text.rstrip().endswith("KeyboardInterrupt"), text
     # asyncio.run (3.11+) cancels the main task first: its CancelledError is chained in
     assert text.count("Traceback (most recent call last)") <= (1 if face == "for" else 2), text

@@ -14,7 +14,7 @@ import pytest
 import aioloader
 from aioloader.errors import DatasetPickleError
 
-from ._array_datasets import CountingDataset
+from ._array_datasets import CountingDataset, ReportingDataset
 from ._datasets import RangeDataset
 
 
@@ -37,6 +37,17 @@ def test_workers_share_the_primitives_of_the_dataset(mode: str, method: str) -> 
         assert _epoch(loader, mode) == list(range(12))
         assert loader.stats().restarts == 0
     assert ds.counter.value == 12  # the workers' increments landed in this process's Value
+
+
+def test_queues_and_arrays_reach_the_workers_too() -> None:
+    ctx = mp.get_context("forkserver")
+    queue, slots = ctx.Queue(), ctx.Array("i", 6)
+    with aioloader.DataLoader(ReportingDataset(queue, slots), 2, num_workers=2, prefetch_next_epoch=False) as loader:
+        assert _epoch(loader, "for") == list(range(6))
+        assert sorted(queue.get(timeout=30) for _ in range(6)) == list(range(6))
+    assert list(slots) == [0, 10, 20, 30, 40, 50]
+    queue.close()
+    queue.join_thread()
 
 
 def test_a_primitive_of_another_start_method_is_named_before_any_worker_starts() -> None:

@@ -20,7 +20,7 @@ import aioloader
 from aioloader import DataLoader, ShmFallbackWarning, StreamLoader, _shm
 
 from . import _array_datasets as A
-from .conftest import _children, wait_until
+from .conftest import descendants, wait_until
 from .test_shm import _stop_orphans
 
 REPO = Path(__file__).resolve().parents[1]
@@ -204,12 +204,7 @@ def test_a_killed_consumer_leaves_no_segment(tmp_path: Path) -> None:
         workers = {int(p) for p in line.split()}
         names = A.segment_names(proc.pid)
         assert len(names) == 1
-        stack = [proc.pid]
-        while stack:  # everything below the consumer: forkserver, tracker, workers
-            p = stack.pop()
-            kids = _children(p)
-            helpers.update(kids)
-            stack.extend(kids)
+        helpers = descendants(proc.pid)
         assert workers <= helpers
         proc.kill()
         proc.wait()

@@ -25,7 +25,7 @@ from aioloader._transport import make_transport
 
 from . import _shm_datasets as D
 from ._shm_datasets import assert_same, shm_backed
-from .conftest import _children, _cmdline, descendant_workers, wait_until
+from .conftest import _cmdline, descendant_workers, descendants, wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -327,12 +327,7 @@ def test_consumer_killed(tmp_path: Path) -> None:
         assert proc.poll() is None, (tmp_path / "stderr").read_text()
         blocked = int(marker.read_text())
         assert any(f"_{blocked}_" in n for n in mine(proc.pid)), "a slab was created and not yet attached"
-        stack = [proc.pid]
-        while stack:  # everything below the consumer: forkserver, tracker, workers
-            p = stack.pop()
-            kids = _children(p)
-            helpers.update(kids)
-            stack.extend(kids)
+        helpers = descendants(proc.pid)
         proc.kill()
         proc.wait()
         # Orphaned workers unlink every name they created, then exit (aioloader's orphan
