@@ -269,14 +269,14 @@ def test_break_and_close_with_many_fetches_in_flight(server: Server, files: File
     in_flight = lambda: server.stats()["current"] == 100  # noqa: E731
     if how == "for-break":
         for _ in dl:
-            wait_until(in_flight, what="100 requests at the server")
+            wait_until(in_flight, 60.0, "100 requests at the server")
             break
         dl.close()
     elif how == "async-break":
 
         async def main() -> None:
             async for _ in dl:
-                await asyncio.to_thread(wait_until, in_flight, 10.0, "100 requests at the server")
+                await asyncio.to_thread(wait_until, in_flight, 60.0, "100 requests at the server")
                 break
             await dl.aclose()
             assert asyncio.all_tasks() == {asyncio.current_task()}
@@ -290,7 +290,7 @@ def test_break_and_close_with_many_fetches_in_flight(server: Server, files: File
 
         async def main() -> None:
             task = asyncio.create_task(consume())
-            await asyncio.to_thread(wait_until, in_flight, 10.0, "100 requests at the server")
+            await asyncio.to_thread(wait_until, in_flight, 60.0, "100 requests at the server")
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
@@ -299,7 +299,13 @@ def test_break_and_close_with_many_fetches_in_flight(server: Server, files: File
 
         asyncio.run(main())
     else:
-        closer = threading.Thread(target=lambda: (wait_until(in_flight, what="100 requests"), dl.close()))
+        def close_when_busy() -> None:
+            try:
+                wait_until(in_flight, 60.0, "100 requests")
+            finally:  # whatever happened, the loop below must end
+                dl.close()
+
+        closer = threading.Thread(target=close_when_busy)
         closer.start()
         with pytest.raises(aioloader.LoaderClosedError):
             for _ in dl:
