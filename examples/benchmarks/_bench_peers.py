@@ -7,22 +7,33 @@ measuring loop (``iter(loader)`` per epoch, ``next()`` per batch) runs unchanged
 
 Configurations (2 workers everywhere, as for the other contenders):
 
-- ``grain``: ``grain.python.DataLoader`` over the dataset as a ``RandomAccessDataSource``,
-  ``IndexSampler(shuffle=True, num_epochs=epochs, seed=0)``, ``Batch(batch_size)``,
-  ``worker_count=2``. Grain runs several epochs as one sampler pass, so the adapter opens
-  one iterator for the whole run and cuts it into epochs by sample count: its worker
-  processes live for the whole run and read across the epoch boundary, which is how Grain
-  is meant to run several epochs (a fresh iterator per epoch would restart its workers).
+- ``grain``: ``grain.MapDataset.source(dataset).shuffle(seed=0).batch(batch_size)
+  .repeat(epochs).to_iter_dataset(ReadOptions(num_threads=2, prefetch_buffer_size=2))
+  .mp_prefetch(MultiprocessingOptions(num_workers=2, per_worker_buffer_size=2))``. Grain runs
+  several epochs as one pass (``repeat``), so the adapter opens one iterator for the whole
+  run and cuts it into epochs by sample count; its workers live for the whole run (a fresh
+  iterator per epoch would restart them). The read-ahead is bounded on purpose: Grain's
+  default ``ReadOptions`` (16 threads, 500 elements per worker) read hundreds of batches
+  ahead (gigabytes of JPEG batches), so epochs 2+ came from a buffer filled during epoch 1
+  and measured the buffer, not the loader. With 2 threads and 2 elements per worker it
+  holds about as many batches in flight as the others. The older ``grain.python.DataLoader``
+  (``IndexSampler`` + ``Batch`` operation) was 10-20x slower than this on the tiny workload
+  in trials here, so it is not used.
 - ``spdl``: ``spdl.pipeline`` with a *continuous* source of shuffled index batches (one
   pipeline for the whole run, one ``get_iterator()`` per epoch, so the pipeline reads ahead
   across the epoch boundary), then ``pipe(load_batch, executor=ProcessPoolExecutor(2),
-  concurrency=...)``: each task builds and collates a whole batch in a worker process with
-  ``aioloader.default_collate`` (numpy), and the batch comes back pickled.
-- ``spdl-threads``: the same pipeline with per-sample ``pipe(dataset.__getitem__,
-  concurrency=2)`` on SPDL's thread pool, then ``aggregate(batch_size)`` and a collate stage,
-  all in the consumer's process. PIL releases the GIL while decoding and resizing, so this
+  concurrency=4)``: each task builds and collates a whole batch in a worker process with
+  ``aioloader.default_collate`` (numpy), and the batch comes back pickled. Four tasks in
+  flight for two workers is what the other loaders keep in flight; in trials here 2 left the
+  workers idle between tasks and 8 was no faster. Whole batches per task, not samples: one
+  pipe round trip per sample costs more than the tiny workload's samples themselves.
+- ``spdl-threads`` (not in the suite's default workloads): the same pipeline with per-sample
+  ``pipe(dataset.__getitem__, concurrency=2)`` on SPDL's thread pool, then
+  ``aggregate(batch_size)`` and a collate stage, all in the consumer's process. PIL releases the GIL while decoding and resizing, so this
   is SPDL's usual way to decode images; the random crop and flip are the same Python
-  transform as everyone else's (SPDL's own decoder does not apply to it).
+  transform as everyone else's (SPDL's own decoder does not apply to it). In trials here it
+  reached about half the process pool's JPEG rate, with 2 s of main-process CPU per epoch:
+  the crop, flip and collate hold the GIL. So ``spdl`` uses processes.
 """
 
 from __future__ import annotations

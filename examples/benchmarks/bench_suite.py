@@ -1,4 +1,4 @@
-"""aioloader against torch's DataLoader, side by side, on this machine.
+"""aioloader against torch's DataLoader, Grain and SPDL, side by side, on this machine.
 
 Runs, interleaved (A B C D, A B C D, ...), on the same data and worker count:
 
@@ -7,6 +7,11 @@ Runs, interleaved (A B C D, A B C D, ...), on the same data and worker count:
 - ``torch-persistent`` and ``torch``: ``torch.utils.data.DataLoader`` with
   ``persistent_workers=True`` / ``False`` (default ``fork`` start method, default
   ``prefetch_factor``, numpy samples collated by torch);
+- ``grain`` and ``spdl``: Grain's ``MapDataset`` pipeline with ``mp_prefetch`` and SPDL's
+  ``spdl.pipeline`` with a process pool, both on their numpy paths, with the same 2 worker
+  processes; their configurations, and why, are in ``_bench_peers.py``. A peer whose
+  package is not installed is skipped and named in the tables (``pip install grain spdl``,
+  or the ``bench`` extra);
 - ``bound``: the produce-only bound, two forked processes each building half the samples
   and sending nothing back (the most two cores can do).
 
@@ -28,9 +33,9 @@ peak RSS (``getrusage``) belong to that loader alone. Throughput and CPU are mea
 epochs 2..N (epoch 1 includes starting the workers; its time to first batch is reported as
 the cold start). Tables print medians of the repetitions (default 3) and ratios.
 
-Usage (the full run takes about 4 minutes on 2 cores)::
+Usage (the full run takes about 10 minutes on 2 cores, ``--reps 2`` about 7)::
 
-    python examples/benchmarks/bench_suite.py --quick           # about 2 minutes
+    python examples/benchmarks/bench_suite.py --quick           # about 5 minutes
     python examples/benchmarks/bench_suite.py --json performance.json --png docs/performance.png
 """
 
@@ -578,7 +583,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--quick", action="store_true", help="fewer repetitions and epochs (about 2 min)")
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions and epochs (about 5 min)")
     parser.add_argument(
         "--workloads", default="jpeg,tiny,boundary", help="comma-separated: jpeg, tiny, boundary"
     )
