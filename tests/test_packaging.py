@@ -144,3 +144,25 @@ def test_benchmark_suite_installs_nothing_when_torch_is_missing(tmp_path: Path) 
     assert proc.returncode != 0
     assert "PIP WAS CALLED" not in proc.stderr
     assert "torch is not installed" in proc.stderr and '".[dev]"' in proc.stderr
+
+
+def test_benchmark_suite_names_a_missing_peer_in_its_tables(tmp_path: Path) -> None:
+    """Grain and SPDL are optional contenders: hidden, each is reported as not installed
+    (by the package to install) instead of failing the suite or vanishing from its tables."""
+    bench_dir = ROOT / "examples" / "benchmarks"
+    code = (
+        "import sys\n"
+        "sys.modules['grain'] = None\n"
+        "sys.modules['spdl'] = None\n"
+        f"sys.path.insert(0, {str(bench_dir)!r})\n"
+        "import _bench_peers, bench_suite\n"
+        "missing = {k: _bench_peers.missing_package(k) for k in ('grain', 'spdl', 'aioloader')}\n"
+        "assert missing == {'grain': 'grain', 'spdl': 'spdl', 'aioloader': None}, missing\n"
+        "summary = {'rows': {}, 'ratios': {}, 'skipped': {'grain': 'grain', 'spdl': 'spdl'}}\n"
+        "print(bench_suite.fmt_table('t', summary, 'images/s'))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| grain | not installed (`pip install grain`) |" in proc.stdout
+    assert "| spdl | not installed (`pip install spdl`) |" in proc.stdout

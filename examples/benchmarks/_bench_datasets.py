@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Head", "IntDataset", "jpeg_dataset", "produce_only"]
+__all__ = ["Head", "IntDataset", "jpeg_dataset", "load_batch", "produce_only", "set_worker_dataset"]
 
 
 class IntDataset:
@@ -77,3 +77,21 @@ def produce_only(
             dataset[int(i)]
             n += 1
     out.put((start, time.perf_counter(), n))
+
+
+# The dataset of this worker process, set once by the pool's initializer (SPDL's process
+# pool in ``_bench_peers``), so that a task carries only its indices.
+_worker_dataset: Any = None
+
+
+def set_worker_dataset(dataset: Any) -> None:
+    """Process-pool initializer: keep ``dataset`` for :func:`load_batch`."""
+    global _worker_dataset
+    _worker_dataset = dataset
+
+
+def load_batch(indices: np.ndarray) -> Any:
+    """Build and collate (numpy, as aioloader does) the samples at ``indices``."""
+    from aioloader import default_collate
+
+    return default_collate([_worker_dataset[int(i)] for i in indices])

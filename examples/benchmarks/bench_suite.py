@@ -1,4 +1,4 @@
-"""aioloader against torch's DataLoader, side by side, on this machine.
+"""aioloader against torch's DataLoader, Grain and SPDL, side by side, on this machine.
 
 Runs, interleaved (A B C D, A B C D, ...), on the same data and worker count:
 
@@ -7,6 +7,11 @@ Runs, interleaved (A B C D, A B C D, ...), on the same data and worker count:
 - ``torch-persistent`` and ``torch``: ``torch.utils.data.DataLoader`` with
   ``persistent_workers=True`` / ``False`` (default ``fork`` start method, default
   ``prefetch_factor``, numpy samples collated by torch);
+- ``grain`` and ``spdl``: Grain's ``MapDataset`` pipeline with ``mp_prefetch`` and SPDL's
+  ``spdl.pipeline`` with a process pool, both on their numpy paths, with the same 2 worker
+  processes; their configurations, and why, are in ``_bench_peers.py``. A peer whose
+  package is not installed is skipped and named in the tables (``pip install grain spdl``,
+  or the ``bench`` extra);
 - ``bound``: the produce-only bound, two forked processes each building half the samples
   and sending nothing back (the most two cores can do).
 
@@ -28,9 +33,9 @@ peak RSS (``getrusage``) belong to that loader alone. Throughput and CPU are mea
 epochs 2..N (epoch 1 includes starting the workers; its time to first batch is reported as
 the cold start). Tables print medians of the repetitions (default 3) and ratios.
 
-Usage (the full run takes about 4 minutes on 2 cores)::
+Usage (the full run takes about 10 minutes on 2 cores, ``--reps 2`` about 7)::
 
-    python examples/benchmarks/bench_suite.py --quick           # about 2 minutes
+    python examples/benchmarks/bench_suite.py --quick           # about 5 minutes
     python examples/benchmarks/bench_suite.py --json performance.json --png docs/performance.png
 """
 
@@ -54,14 +59,16 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 TORCH_LOADERS = ("torch-persistent", "torch")
+# The other loaders users weigh: the best of these and torch's is "the best peer".
+PEERS = ("grain", "spdl", "spdl-threads")
 # The loaders each workload runs, in interleaving order. The tiny workload also runs
 # aioloader without per-sample seeding (on samples this cheap, the default
 # ``seed_samples=True`` is most of the workers' time); the epoch-boundary workload also runs
 # it with ``prefetch_next_epoch=False``, to show what the next-epoch prefetch buys.
 WORKLOAD_LOADERS: dict[str, tuple[str, ...]] = {
-    "jpeg": ("aioloader", "torch-persistent", "torch", "bound"),
-    "tiny": ("aioloader", "aioloader-noseed", "torch-persistent", "torch", "bound"),
-    "boundary": ("aioloader", "aioloader-noprefetch", "torch-persistent", "torch"),
+    "jpeg": ("aioloader", "torch-persistent", "torch", "grain", "spdl", "bound"),
+    "tiny": ("aioloader", "aioloader-noseed", "torch-persistent", "torch", "grain", "spdl", "bound"),
+    "boundary": ("aioloader", "aioloader-noprefetch", "torch-persistent", "torch", "grain", "spdl"),
 }
 LOADER_KWARGS: dict[str, dict[str, Any]] = {
     "aioloader-noseed": {"seed_samples": False},
@@ -160,6 +167,12 @@ def _run_loader(spec: dict[str, Any]) -> dict[str, Any]:
             num_workers=WORKERS,
             persistent_workers=kind == "torch-persistent",
         )
+    elif kind in PEERS:
+        import _bench_peers
+
+        rss_base = _rss_now_mb()
+        t_make = time.perf_counter()
+        loader = _bench_peers.make_peer(kind, dataset, spec, WORKERS)
     else:
         import aioloader
 
@@ -224,6 +237,8 @@ def _run_loader(spec: dict[str, Any]) -> dict[str, Any]:
             "latency_p99_s": st.latency_p99_s,
             "worker_busy": st.worker_busy,
         }
+        loader.close()
+    elif kind in PEERS:
         loader.close()
     else:
         del loader
@@ -293,6 +308,15 @@ def run_child(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
         f"benchmark child failed ({spec['workload']}, {spec['loader']}), exit code {proc.returncode}:\n"
         f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     )
+
+
+def _version(package: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def _median(xs: list[float]) -> float | None:
@@ -376,6 +400,9 @@ def summarize(workload: str, runs: dict[str, list[dict[str, Any]]], batch_size: 
     if torch_rows:
         best_kind = max(torch_rows, key=lambda k: torch_rows[k]["samples_per_s"])
         out["torch_best"] = best_kind
+    peer_rows = {k: v for k, v in rows.items() if k in TORCH_LOADERS or k in PEERS}
+    if peer_rows:
+        out["peer_best"] = max(peer_rows, key=lambda k: peer_rows[k]["samples_per_s"])
     for kind, aio in rows.items():
         if not kind.startswith("aioloader"):
             continue
@@ -388,10 +415,26 @@ def summarize(workload: str, runs: dict[str, list[dict[str, Any]]], batch_size: 
             ratios["first_batch_vs_torch_best"] = (
                 aio["first_batch_epoch2plus_ms"] / best["first_batch_epoch2plus_ms"]
             )
+        if peer_rows:
+            best = peer_rows[out["peer_best"]]
+            ratios["vs_peer_best"] = aio["samples_per_s"] / best["samples_per_s"]
+            ratios["cpu_vs_peer_best"] = aio["main_cpu_s"] / best["main_cpu_s"]
+            ratios["cpu_vs_peer_min"] = aio["main_cpu_s"] / min(v["main_cpu_s"] for v in peer_rows.values())
+            ratios["first_batch_vs_peer_min"] = aio["first_batch_epoch2plus_ms"] / max(
+                1e-6, min(v["first_batch_epoch2plus_ms"] for v in peer_rows.values())
+            )
         if "bound" in rows:
             ratios["vs_bound"] = aio["samples_per_s"] / rows["bound"]["samples_per_s"]
         out["ratios"][kind] = ratios
     return out
+
+
+def _skipped_rows(summary: dict[str, Any], empty_cells: int) -> list[str]:
+    """One row per contender that did not run because its package is missing."""
+    return [
+        f"| {kind} | not installed (`pip install {pkg}`) |" + " |" * empty_cells
+        for kind, pkg in summary.get("skipped", {}).items()
+    ]
 
 
 def fmt_table(name: str, summary: dict[str, Any], unit: str) -> str:
@@ -411,12 +454,16 @@ def fmt_table(name: str, summary: dict[str, Any], unit: str) -> str:
             f"{row['first_batch_epoch2plus_max_ms']:.1f} | {row['cold_start_s']:.2f} | "
             f"{row['main_cpu_s']:.2f} | {row['main_cpu_ms_per_batch']:.2f} | {row['peak_rss_mb']:.0f} |"
         )
+    lines.extend(_skipped_rows(summary, 5))
     notes = []
     for kind, r in summary["ratios"].items():
         parts = []
         if "vs_torch_best" in r:
             parts.append(f"{r['vs_torch_best']:.2f}x torch best ({summary['torch_best']}) throughput")
             parts.append(f"{r['cpu_vs_torch_best']:.2f}x its main-process CPU")
+        if "vs_peer_best" in r and summary["peer_best"] not in TORCH_LOADERS:
+            parts.append(f"{r['vs_peer_best']:.2f}x the best peer ({summary['peer_best']}) throughput")
+            parts.append(f"{r['cpu_vs_peer_best']:.2f}x its main-process CPU")
         if "vs_bound" in r:
             parts.append(f"{r['vs_bound']:.2f}x the bound")
         if parts:
@@ -450,6 +497,7 @@ def fmt_boundary(name: str, summary: dict[str, Any], step_ms: float) -> str:
             if batches
             else f"| {kind} | | | | |"
         )
+    lines.extend(_skipped_rows(summary, 3))
     return "\n".join(lines)
 
 
@@ -465,6 +513,9 @@ def draw_png(results: dict[str, Any], path: Path) -> None:
         "aioloader-noprefetch": "#9dc3e6",
         "torch-persistent": "#e08a2c",
         "torch": "#f2c14e",
+        "grain": "#3a9e5c",
+        "spdl": "#b04a8c",
+        "spdl-threads": "#d68fbf",
         "bound": "#8a8a8a",
     }
     panels = []
@@ -518,7 +569,7 @@ def draw_png(results: dict[str, Any], path: Path) -> None:
             ax.annotate(label, (bar.get_x() + bar.get_width() / 2, v), ha="center", va="bottom", fontsize=8)
         ax.margins(y=0.15)
     fig.suptitle(
-        f"aioloader vs torch DataLoader, {WORKERS} workers, {results['machine']['cpus']} cores "
+        f"aioloader vs torch, Grain and SPDL, {WORKERS} workers, {results['machine']['cpus']} cores "
         f"(medians; {results['mode']} mode)",
         fontsize=11,
     )
@@ -532,7 +583,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--quick", action="store_true", help="fewer repetitions and epochs (about 2 min)")
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions and epochs (about 5 min)")
     parser.add_argument(
         "--workloads", default="jpeg,tiny,boundary", help="comma-separated: jpeg, tiny, boundary"
     )
@@ -591,13 +642,22 @@ def main(argv: list[str] | None = None) -> int:
             "step_ms": args.step_ms,
         }
 
-    raw: dict[str, dict[str, list[dict[str, Any]]]] = {w: {k: [] for k in WORKLOAD_LOADERS[w]} for w in specs}
+    import _bench_peers
+
+    # A peer whose package is missing is left out of every workload and named in the tables.
+    skipped = {
+        k: pkg for k in {k for w in specs for k in WORKLOAD_LOADERS[w]} if (pkg := _bench_peers.missing_package(k))
+    }
+    for kind, pkg in sorted(skipped.items()):
+        print(f"{kind}: skipped, {pkg} is not installed (pip install {pkg}, or the bench extra)", flush=True)
+    loaders = {w: tuple(k for k in WORKLOAD_LOADERS[w] if k not in skipped) for w in specs}
+    raw: dict[str, dict[str, list[dict[str, Any]]]] = {w: {k: [] for k in loaders[w]} for w in specs}
     started = time.perf_counter()
     for rep in range(reps):
         for workload, base in specs.items():
             # Interleaved: every loader once per repetition; the order rotates so that no
             # loader always runs first (or right after the heaviest one).
-            kinds = WORKLOAD_LOADERS[workload]
+            kinds = loaders[workload]
             order = kinds[rep % len(kinds) :] + kinds[: rep % len(kinds)]
             for kind in order:
                 spec = {**base, "loader": kind}
@@ -619,6 +679,7 @@ def main(argv: list[str] | None = None) -> int:
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
             "torch": torch.__version__,
+            **{pkg: _version(pkg) for pkg in ("grain", "spdl")},
             "platform": platform.platform(),
         },
         "config": {"workers": WORKERS, "reps": reps, "specs": specs},
@@ -627,6 +688,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     for workload, spec in specs.items():
         results["workloads"][workload] = summarize(workload, raw[workload], spec["batch_size"])
+        results["workloads"][workload]["skipped"] = {
+            k: skipped[k] for k in WORKLOAD_LOADERS[workload] if k in skipped
+        }
 
     print()
     if "jpeg" in results["workloads"]:
