@@ -67,7 +67,7 @@ def ctrl_c(script: Path, ready: Callable[[], bool], what: str) -> tuple[subproce
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            proc.communicate()  # reaps it and closes its pipes
     return proc, err.decode()
 
 
