@@ -171,10 +171,6 @@ class DataSegment:
     def unlink(self) -> None:
         self._finalizer()
 
-    @property
-    def linked(self) -> bool:
-        return self._finalizer.alive
-
 
 def _adoptable(raw: memoryview) -> int | None:
     """The address of ``raw``'s memory if it belongs to an array whose pages may be
@@ -203,22 +199,23 @@ def _adoptable(raw: memoryview) -> int | None:
     chunk = addr - 16  # glibc: two size words before the user pointer, page-aligned if mmapped
     if chunk % _PAGE:
         return None
-    word = ctypes.c_size_t.from_address(addr - 8).value if _anonymous(chunk, chunk + _PAGE) else 0
-    length = word & ~0x7
-    # IS_MMAPPED set, and the chunk holds the array, all of it in anonymous memory
-    if not word & 0x2 or length < raw.nbytes + 16 or not _anonymous(chunk, chunk + length):
-        return None
-    return addr
-
-
-def _anonymous(lo: int, hi: int) -> bool:
-    """Is ``[lo, hi)`` covered by anonymous private mappings of this process? (numpy's
-    huge-page advice splits one chunk into several.)"""
     try:
         with open("/proc/self/maps") as f:
             regions = [line.split() for line in f]
     except OSError:
-        return False
+        return None
+    # the header's page first (it is read just below), then the whole chunk it describes
+    word = ctypes.c_size_t.from_address(addr - 8).value if _anonymous(regions, chunk, chunk + _PAGE) else 0
+    length = word & ~0x7
+    # IS_MMAPPED set, and the chunk holds the array, all of it in anonymous memory
+    if not word & 0x2 or length < raw.nbytes + 16 or not _anonymous(regions, chunk, chunk + length):
+        return None
+    return addr
+
+
+def _anonymous(regions: list[list[str]], lo: int, hi: int) -> bool:
+    """Is ``[lo, hi)`` covered by anonymous private mappings among ``regions`` (the lines
+    of ``/proc/self/maps``, split)? (numpy's huge-page advice splits one chunk in several.)"""
     at = lo
     for fields in regions:
         start, end = (int(x, 16) for x in fields[0].split("-"))
