@@ -1,76 +1,80 @@
-"""The persistent worker pool, and the one place where executor failures are translated.
+"""The persistent worker pool: the one boundary between aioloader and the executor.
 
 Ownership: a :class:`WorkerPool` either *owns* its executor (it created it: a process
 pool, or the single thread of ``num_workers=0``) or *borrows* one the user passed in.
-An owned pool is created on first use, lives across epochs and iterators, is rebuilt
-after a worker dies, and is shut down by :meth:`WorkerPool.close` (or its finalizer).
-A borrowed executor is never shut down or rebuilt by aioloader.
+An owned pool is created on first use, lives across epochs and iterators, is replaced
+by a new *generation* after a worker dies, and is shut down by :meth:`WorkerPool.close`
+(or its finalizer). A borrowed executor is never shut down or rebuilt by aioloader.
 
-Why private attributes of ``ProcessPoolExecutor`` are read here: before Python 3.14 the
-public API offers no way to learn which processes a pool runs, to tell which one died,
-or to stop a worker stuck in a task, so we read ``_processes`` (pid → Process) and kill
-processes ourselves, only on pools we created. ``_launch_processes`` starts every worker
-before the first submit (alone, the executor spawns one per submit that finds no idle
-worker, and can stay short of ``num_workers``).
+What the dispatcher gets, whatever the executor: :meth:`~WorkerPool.start`,
+:meth:`~WorkerPool.submit` (a :class:`Job`), :meth:`~WorkerPool.result` (the task's
+value, its own exception, or :class:`Lost`), :meth:`~WorkerPool.started_at`,
+:meth:`~WorkerPool.stop` and :meth:`~WorkerPool.recover`. Executor errors become
+aioloader errors here and nowhere else; no concurrent future is ever cancelled while
+its executor may still complete it (a ``ProcessPoolExecutor`` that breaks sets an
+exception on every pending future, and a cancelled one makes its manager thread die).
+
+Crash attribution (the deaths are recorded by :mod:`aioloader._generation`, which
+holds every private name of ``concurrent.futures`` and ``multiprocessing`` we read): a
+worker that died holding a task is charged with it; one that died idle is not; a
+generation whose workers died before any of them was ready is a startup failure, and
+:data:`MAX_START_FAILURES` of those in a row end in :class:`~aioloader.PoolBrokenError`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures as cf
+import contextlib
 import os
 import signal
 import threading
 import time
 import weakref
 from collections.abc import Callable
-from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.context import BaseContext
 from typing import Any, Literal
 
-import numpy as np
-
-from . import _byvalue, _worker
+from . import _byvalue, _reply, _slots, _worker
+from ._generation import CrashInfo, Generation, concurrency_of, interpreter_exiting, live_boxes
+from ._slots import Slots
 from ._validate import default_mp_context, resolve_context
 from .errors import LoaderClosedError, PoolBrokenError
 
-__all__ = ["CrashInfo", "Generation", "WorkerPool", "default_mp_context", "resolve_context"]
+__all__ = ["CrashInfo", "Generation", "Job", "Lost", "WorkerPool", "default_mp_context", "describe_exit"]
 
 PoolKind = Literal["process", "thread", "external"]
+MAX_START_FAILURES = 3
 
 
-@dataclass
-class CrashInfo:
-    """What a broken generation left behind."""
+def describe_exit(code: int | None) -> str:
+    """An exit code for a message: ``-9, killed by SIGKILL``."""
+    if code is None:
+        return "unknown"
+    if code < 0:
+        try:
+            return f"{code}, killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"{code}, killed by signal {-code}"
+    return str(code)
 
-    culprits: dict[int, int | None]  # task_id -> exit code of the process that ran it
-    exitcodes: dict[int, int | None]  # pid -> exit code
-    known: bool  # False when the dead process could not be told apart from the others
+
+class Lost(Exception):
+    """Pool → dispatcher, never to a user: the task's worker is gone (it died, it was
+    stopped, or its generation was retired first). Call :meth:`WorkerPool.recover`."""
 
 
-@dataclass
-class Generation:
-    """One incarnation of the executor. A crash ends a generation; the next one replaces it."""
+@dataclass(eq=False)
+class Job:
+    """One submission of one task."""
 
-    number: int
-    executor: cf.Executor
-    processes: Any = None  # the executor's own pid -> Process mapping
-    table: np.ndarray | None = None
-    crash: CrashInfo | None = None
-    started: bool = False
-    owned: bool = True
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    tokens: frozenset[str] = frozenset()  # the payloads its workers receive when they start
-
-    def running_tasks(self) -> dict[int, tuple[int, int]]:
-        """task_id -> (pid, start_ns) of the tasks the workers are computing now."""
-        out: dict[int, tuple[int, int]] = {}
-        if self.table is not None:
-            t = self.table.reshape(-1, 3).copy()
-            for pid, task_id, start in t.tolist():
-                if pid > 0 and start > 0 and task_id >= 0:
-                    out[task_id] = (pid, start)
-        return out
+    gen: Generation
+    task_id: int
+    submit_ns: int
+    future: cf.Future[Any] | None = None
+    stopped: bool = False
+    wake: Callable[..., None] | None = None
 
 
 class WorkerPool:
@@ -100,9 +104,7 @@ class WorkerPool:
             num_workers = os.cpu_count() or 1
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
             raise ValueError(f"num_workers must be an int >= 0, got {num_workers!r}")
-        self.kind: PoolKind = (
-            "external" if executor is not None else "process" if num_workers > 0 else "thread"
-        )
+        self.kind: PoolKind = "external" if executor is not None else "process" if num_workers > 0 else "thread"
         self.num_workers = num_workers
         self._context = resolve_context(mp_context) if self.kind == "process" else None
         self._external = executor
@@ -111,11 +113,13 @@ class WorkerPool:
         self._gen: Generation | None = None
         self._gen_count = 0
         self._closed = False
+        self._start_failures = 0
         self.restarts = 0
+        self._pid = os.getpid()
         # The finalizer must not reference self: it gets a box holding the live generation.
         self._box: list[Generation | None] = [None]
         self._finalizer = weakref.finalize(self, WorkerPool._shutdown_gen, self._box)
-        _live_boxes[id(self._box)] = self._box
+        live_boxes[id(self._box)] = self._box
 
     @property
     def closed(self) -> bool:
@@ -128,12 +132,10 @@ class WorkerPool:
     @property
     def concurrency(self) -> int:
         """How many tasks the pool runs at once (a guess for borrowed executors)."""
-        if self.kind == "process":
-            return self.num_workers
-        if self.kind == "thread":
-            return 1
-        n = getattr(self._external, "_max_workers", None)
-        return int(n) if isinstance(n, int) and n > 0 else os.cpu_count() or 1
+        if self.kind != "external":
+            return max(self.num_workers, 1)
+        assert self._external is not None
+        return concurrency_of(self._external)
 
     @property
     def start_method(self) -> str | None:
@@ -151,9 +153,8 @@ class WorkerPool:
             gen = self._gen
             if not (isinstance(payload, _byvalue.Inherited) and gen is not None and token not in gen.tokens):
                 return
-            gen.crash = CrashInfo({}, {}, known=True)  # nobody's fault: no task is charged
-            self._drop(gen)
-        _retire(gen, grace=0.0)
+            self._drop(gen, CrashInfo({}, {}))  # nobody's fault: no task is charged
+        gen.retire(grace=0.0)
 
     def unregister(self, token: str) -> None:
         with self._lock:
@@ -163,44 +164,33 @@ class WorkerPool:
     # ---------------------------------------------------------------- generations
     def current(self) -> Generation:
         """The live generation, created (not yet started) if there is none."""
+        if self._pid != os.getpid():  # a forked child: the parent's workers are not ours
+            self._pid, self._gen, self._lock = os.getpid(), None, threading.RLock()
+            live_boxes[id(self._box)] = self._box
         with self._lock:
             if self._closed:
                 raise LoaderClosedError("the worker pool is closed")
-            gen = self._gen
-            if gen is None:
-                gen = self._create()
-                self._gen = gen
-                self._box[0] = gen
-            return gen
+            if self._gen is None:
+                self._gen_count += 1
+                self._gen = self._box[0] = self._create(self._gen_count)
+            return self._gen
 
-    def _create(self) -> Generation:
-        self._gen_count += 1
-        if self.kind == "external":
-            assert self._external is not None
-            return Generation(self._gen_count, self._external, started=True, owned=False)
-        if self.kind == "thread":
-            ex = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="aioloader-worker")
-            return Generation(self._gen_count, ex, started=True)
-        ctx = self._context
-        assert ctx is not None
-        if ctx.get_start_method() != "fork":
-            _byvalue.drop_fake_main_file()
-        if ctx.get_start_method() == "forkserver":
-            _preload_forkserver(ctx)
-        n = self.num_workers
-        table = ctx.RawArray("q", 3 * n)
-        lock = _slot_lock(ctx)
-        counter = ctx.RawValue("i", 0)
-        pex = cf.ProcessPoolExecutor(
-            max_workers=n,
-            mp_context=ctx,
-            initializer=_worker.pool_initializer,
-            initargs=(dict(self._payloads), table, lock, counter, n, os.getpid()),
-        )
-        view = np.frombuffer(table, dtype=np.int64)
-        return Generation(
-            self._gen_count, pex, processes=pex._processes, table=view, tokens=frozenset(self._payloads)
-        )
+    def _create(self, number: int) -> Generation:
+        if self._external is not None:
+            return Generation.borrowed(number, self._external)
+        if self._context is None:
+            return Generation.thread(number)
+        _reply.sweep_spills()  # what runs killed with their workers left behind
+        try:
+            return Generation.processes_of(number, self._context, self.num_workers, self._payloads)
+        except OSError as exc:
+            raise PoolBrokenError(
+                f"cannot start the worker pool: multiprocessing could not create its semaphores or "
+                f"shared memory ({type(exc).__name__}: {exc}). Process pools need a writable /dev/shm "
+                "with free space and inodes (docker run --shm-size=1g, or a tmpfs mounted there); "
+                "num_workers=0 needs none",
+                errno=exc.errno,
+            ) from exc
 
     def started_generation(self) -> Generation | None:
         """The live generation if it is created and started, else ``None`` (never blocks:
@@ -209,117 +199,184 @@ class WorkerPool:
         if self._closed:
             raise LoaderClosedError("the worker pool is closed")
         gen = self._gen
-        return gen if gen is not None and gen.started else None
+        return gen if gen is not None and gen.started and self._pid == os.getpid() else None
 
     def start(self) -> Generation:
         """Create the generation and start all its workers in parallel (blocking; call
-        from a thread). Workers that are still starting do not delay the first task: the
-        pool hands it to the first one ready."""
+        from a thread). Raises only aioloader errors; a generation that fails while it
+        starts is returned anyway, and its first task comes back :class:`Lost`."""
         gen = self.current()
         with gen.lock:
             if not gen.started:
-                if self.kind == "process":
-                    # On its own the executor spawns a process per submit that finds no
-                    # idle one, so quick first tasks can leave it short of num_workers.
-                    launch = getattr(gen.executor, "_launch_processes", None)
-                    if launch is not None and getattr(gen.executor, "_executor_manager_thread", None) is None:
-                        launch()
-                    for _ in range(self.num_workers):
-                        gen.executor.submit(_worker.noop)
+                if gen.processes is not None:
+                    try:
+                        gen.launch()
+                        for _ in range(self.num_workers):
+                            gen.submit(_worker.noop)
+                    except Exception as exc:
+                        self._refused(gen, exc)
                 # Only now: a task submitted while the processes were being launched would
                 # make the executor spawn one more for itself.
                 gen.started = True
         return gen
 
-    def submit(self, gen: Generation, fn: Callable[..., Any], *args: Any) -> cf.Future[Any]:
+    def submit(self, gen: Generation, fn: Callable[[Any], Any], task: Any) -> Job:
+        """Submit ``fn(task)`` (``task.task_id`` names it). Raises only aioloader errors."""
+        job = Job(gen, task.task_id, time.monotonic_ns())
+        if gen.failure is not None:  # it refused work once: it is retired, not trusted
+            job.stopped = True
+            return job
         try:
-            return gen.executor.submit(fn, *args)
-        except RuntimeError as exc:
-            if self._closed:
-                raise LoaderClosedError("the worker pool is closed") from exc
-            if isinstance(exc, BrokenProcessPool):
-                raise
-            if self.kind == "external":
-                raise PoolBrokenError(f"the user-supplied executor refused new work: {exc}") from exc
-            raise
+            job.future = gen.submit(_reply.Entry(fn, gen.origin), task)
+        except Exception as exc:
+            self._refused(gen, exc)
+            job.stopped = True
+        return job
 
-    def is_crash(self, exc: BaseException) -> bool:
-        """Does ``exc`` (raised by a task's future) mean a worker died?"""
-        return isinstance(exc, BrokenProcessPool)
+    def _refused(self, gen: Generation, exc: Exception) -> None:
+        if self._closed:
+            raise LoaderClosedError("the worker pool is closed") from exc
+        if interpreter_exiting():
+            raise LoaderClosedError("the interpreter is shutting down") from exc
+        if isinstance(exc, cf.BrokenExecutor):
+            gen.broken = True
+        elif not gen.owned:
+            raise PoolBrokenError(f"the user-supplied executor refused new work: {exc}") from exc
+        if gen.failure is None:  # a worker died as it started, the forkserver is gone...
+            gen.failure = exc
+
+    async def result(self, job: Job) -> Any:
+        """The task's return value; raises its own exception, or :class:`Lost`.
+
+        Cancelling the awaiting task does not cancel the concurrent future."""
+        if not job.stopped and job.future is not None:
+            loop = asyncio.get_running_loop()
+            waiter: asyncio.Future[None] = loop.create_future()
+
+            def wake(*_: object) -> None:
+                with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+                    loop.call_soon_threadsafe(_settle, waiter)
+
+            job.wake = wake
+            job.future.add_done_callback(wake)
+            if _stopped(job):  # stop() ran before it could wake us
+                wake()
+            await waiter
+        fut = job.future
+        if job.stopped or fut is None or fut.cancelled() or not fut.done():
+            raise Lost
+        exc = fut.exception()
+        if isinstance(exc, cf.BrokenExecutor):
+            job.gen.broken = True
+            raise Lost
+        if exc is not None:
+            raise exc  # the executor's own verdict (dask's KilledWorker, an unpicklable task)
+        value = fut.result()
+        if not isinstance(value, _reply.Outcome):
+            return value
+        if value.ok:
+            self._start_failures = 0
+        return value.unwrap()
+
+    def started_at(self, job: Job) -> int | None:
+        """``time.monotonic_ns()`` when a worker started the task (submission, for a
+        borrowed executor), or ``None`` if it is not running."""
+        if job.future is None or job.future.done() or job.stopped:
+            return None
+        gen = job.gen
+        if gen.slots is not None:
+            running = gen.slots.running(job.task_id)
+            return running[1] if running is not None else None
+        return _slots.local_starts.get(job.task_id) if gen.owned else job.submit_ns
+
+    def stop(self, job: Job) -> str | None:
+        """Stop a task that overran its timeout; says what was done (for the error), or
+        ``None`` if it was no longer running. Its :meth:`result` then raises :class:`Lost`."""
+        gen, fut = job.gen, job.future
+        if fut is None or fut.done() or job.stopped:
+            return None
+        if gen.slots is not None:
+            running = gen.slots.running(job.task_id)
+            if running is None:
+                return None
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(running[0], signal.SIGKILL)
+            return f"its worker (pid {running[0]}) was killed and the pool rebuilt"
+        if gen.owned:
+            if job.task_id not in _slots.local_starts:
+                return None
+            self._drop(gen, CrashInfo({}, {}))
+            gen.abandon_thread()
+            how = "the stuck thread was abandoned (it ends when its sample returns)"
+        elif isinstance(gen.executor, cf.ThreadPoolExecutor) and fut.cancel():
+            how = "it was cancelled on the borrowed executor before it started"
+        else:
+            how = "the borrowed executor's task could not be stopped; it was abandoned"
+        job.stopped = True
+        if job.wake is not None:
+            job.wake()
+        return how
+
+    def _drop(self, gen: Generation, crash: CrashInfo | None = None) -> None:
+        with self._lock:
+            if crash is not None and gen.crash is None:
+                gen.crash = crash
+            if self._gen is gen:
+                self._gen = self._box[0] = None
+                self.restarts += 1
 
     def recover(self, gen: Generation) -> CrashInfo:
-        """Called by every task that saw ``gen`` break; the first caller works out who
-        died and retires the generation, later callers get the same answer."""
-        with self._lock:
-            if gen.crash is not None:
-                return gen.crash
-            if self.kind == "external":
-                raise PoolBrokenError(
-                    "a worker of the user-supplied executor died and aioloader may not rebuild "
-                    "an executor it does not own; create a new executor and loader"
-                )
-            gen.crash = self._autopsy(gen)
-            self._drop(gen)
-        _retire(gen, grace=0.0)
+        """Called by every task of ``gen`` that came back :class:`Lost` (blocking; call
+        from a thread). The first caller retires the generation and works out who died
+        holding what; later callers get the same answer. Raises
+        :class:`~aioloader.PoolBrokenError` for a borrowed executor that broke, and
+        after :data:`MAX_START_FAILURES` generations in a row that could not start."""
+        with gen.lock:
+            if gen.crash is None:
+                if not gen.owned:
+                    if gen.broken:
+                        raise PoolBrokenError(
+                            "a worker of the user-supplied executor died and aioloader may not rebuild "
+                            "an executor it does not own; create a new executor and loader"
+                        )
+                    return CrashInfo({}, {})  # a stopped task: nothing died
+                self._drop(gen)
+                gen.retire(grace=0.0)
+                gen.crash = self._conclude(gen)
+        if gen.crash.fatal is not None:
+            raise gen.crash.fatal
         return gen.crash
 
-    def _drop(self, gen: Generation) -> None:
-        """Stop handing out ``gen`` (the caller holds the lock); the next task gets a new one."""
-        if self._gen is gen:
-            self._gen = self._box[0] = None
-            self.restarts += 1
-
-    @staticmethod
-    def _autopsy(gen: Generation) -> CrashInfo:
-        procs = dict(gen.processes or {})
-        # Let the pool's manager thread finish first: it terminates the survivors and joins
-        # every process. Reading exit codes while it joins races with it on forkserver's
-        # status pipe (the loser reads EOF and records 255 instead of the real code).
-        manager = getattr(gen.executor, "_executor_manager_thread", None)
-        if manager is not None and manager is not threading.current_thread():
-            manager.join(5.0)
-        deadline = time.monotonic() + 1.0
-        codes: dict[int, int | None] = {}
-        while True:
-            codes = {pid: p.exitcode for pid, p in procs.items()}
-            if any(c is not None for c in codes.values()) or time.monotonic() > deadline:
-                break
-            time.sleep(0.005)
-        dead = {pid for pid, c in codes.items() if c is not None and c != -signal.SIGTERM}
-        known = bool(dead)
-        if not known:
-            dead = {pid for pid, c in codes.items() if c is not None}
-        culprits: dict[int, int | None] = {}
-        if gen.table is not None:
-            for pid, task_id, _start in gen.table.reshape(-1, 3).tolist():
-                if pid in dead and task_id >= 0:
-                    culprits[task_id] = codes.get(pid)
-        return CrashInfo(culprits, codes, known and bool(culprits))
-
-    def kill_task(self, gen: Generation, task_id: int) -> bool:
-        """Kill the process running ``task_id`` (owned process pools only)."""
-        running = gen.running_tasks()
-        if task_id not in running:
-            return False
-        try:
-            os.kill(running[task_id][0], signal.SIGKILL)
-        except ProcessLookupError:
-            return False
-        return True
-
-    def abandon(self, gen: Generation) -> None:
-        """Drop a thread generation whose thread is stuck (a timeout in thread mode)."""
-        with self._lock:
-            self._drop(gen)
-        gen.executor.shutdown(wait=False, cancel_futures=True)
-        _forget_threads(gen.executor)
+    def _conclude(self, gen: Generation) -> CrashInfo:
+        dead, rows = gen.final_deaths()
+        charged: dict[int, int | None] = {}
+        for pid, code in dead.items():
+            phase, task_id, _ = rows.get(pid, (Slots.STARTING, -1, 0))
+            if phase >= Slots.ACCEPTED and task_id >= 0:
+                charged[task_id] = code
+        ready = any(phase >= Slots.READY for phase, _, _ in rows.values())
+        info = CrashInfo(charged, dead, startup=gen.processes is not None and not ready and bool(dead or gen.failure))
+        self._start_failures = self._start_failures + 1 if info.startup else 0
+        if self._start_failures >= MAX_START_FAILURES:
+            self._start_failures = 0
+            code = next(iter(dead.values()), None)
+            why = f"; the last error: {type(gen.failure).__name__}: {gen.failure}" if gen.failure else ""
+            info.fatal = PoolBrokenError(
+                f"the pool's workers keep dying before they finish starting ({MAX_START_FAILURES} "
+                f"generations in a row; exit codes {sorted(describe_exit(c) for c in dead.values())}{why}). "
+                "A worker that cannot import the main module or the dataset's module, or that crashes "
+                "while unpickling the dataset, does this: run from a file rather than stdin, guard the "
+                "entry point with `if __name__ == '__main__':`, and check that the dataset unpickles in "
+                "a fresh interpreter",
+                exitcode=code,
+            )
+            info.fatal.__cause__ = gen.failure
+        return info
 
     def worker_pids(self) -> list[int]:
         """Pids of the current generation's processes (empty for threads/borrowed)."""
         gen = self._gen
-        if gen is None or gen.processes is None:
-            return []
-        return sorted(gen.processes)
+        return gen.pids() if gen is not None else []
 
     def close(self) -> None:
         """Shut down the executor if this pool owns it. Idempotent; never waits for a
@@ -334,11 +391,10 @@ class WorkerPool:
 
     @staticmethod
     def _shutdown_gen(box: list[Generation | None]) -> None:
-        _live_boxes.pop(id(box), None)
-        gen = box[0]
-        box[0] = None
+        live_boxes.pop(id(box), None)
+        gen, box[0] = box[0], None
         if gen is not None and gen.owned:
-            _retire(gen, grace=0.25)
+            gen.retire(grace=0.25)
 
     def __enter__(self) -> WorkerPool:
         return self
@@ -351,97 +407,10 @@ class WorkerPool:
         return f"<aioloader.WorkerPool {self.kind} workers={self.num_workers} {state}>"
 
 
-def _forget_threads(ex: cf.Executor) -> None:
-    """Let interpreter exit proceed past an abandoned thread stuck in user code.
-
-    ``concurrent.futures`` joins every executor thread at exit, without a timeout; a
-    thread we abandoned after a timeout may never return. Dropping it from that registry
-    (a private one) lets the process exit; the thread dies with it.
-    """
-    from concurrent.futures import thread as cf_thread
-
-    registry = getattr(cf_thread, "_threads_queues", None)
-    for t in list(getattr(ex, "_threads", ())):
-        if registry is not None:
-            registry.pop(t, None)
+def _stopped(job: Job) -> bool:
+    return job.stopped
 
 
-def _retire(gen: Generation, grace: float) -> None:
-    """Shut an owned generation down without hanging on a stuck task."""
-    ex = gen.executor
-    if isinstance(ex, cf.ThreadPoolExecutor):
-        ex.shutdown(wait=False, cancel_futures=True)
-        deadline = time.monotonic() + max(grace, 0.0) + 5.0
-        for t in list(getattr(ex, "_threads", ())):
-            t.join(max(0.0, deadline - time.monotonic()))
-        _forget_threads(ex)
-        return
-    procs = list((gen.processes or {}).values())
-    manager = getattr(ex, "_executor_manager_thread", None)
-    ex.shutdown(wait=False, cancel_futures=True)
-    deadline = time.monotonic() + grace
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.exitcode is None:
-            p.kill()
-    for p in procs:
-        p.join(5.0)
-    if manager is not None and manager is not threading.current_thread():
-        manager.join(10.0)
-
-
-# Generation boxes of the pools not yet shut down (removed by _shutdown_gen).
-_live_boxes: dict[int, list[Generation | None]] = {}
-
-
-def _retire_all_at_exit() -> None:
-    """Interpreter exit: stop every owned pool's workers before ``concurrent.futures``
-    waits for them.
-
-    ``concurrent.futures.process`` registers a hook (run before ``atexit``) that joins each
-    pool's manager thread, which waits for running tasks: a worker stuck in a sample would
-    hang the exit, Ctrl-C included. Threading exit hooks run newest first, and this one is
-    registered after that module's, so it runs first and kills what is still running.
-    """
-    for box in list(_live_boxes.values()):
-        gen = box[0]
-        box[0] = None
-        if gen is not None and gen.owned and gen.processes is not None:
-            _retire(gen, grace=0.1)
-
-
-threading._register_atexit(_retire_all_at_exit)  # type: ignore[attr-defined]
-
-_preload_lock = threading.Lock()
-_slot_locks: dict[str, Any] = {}
-
-
-def _slot_lock(ctx: Any) -> Any:
-    """The lock workers take to claim a slot of their generation's table: one per start
-    method for the whole process, not one per generation. (A multiprocessing lock that the
-    garbage collector finalizes while this thread talks to the resource tracker makes
-    CPython 3.12's tracker raise ``ReentrantCallError`` and keep descriptors.)"""
-    method = ctx.get_start_method()
-    with _preload_lock:
-        lock = _slot_locks.get(method)
-        if lock is None:
-            lock = _slot_locks[method] = ctx.Lock()
-        return lock
-
-
-def _preload_forkserver(ctx: BaseContext) -> None:
-    """Let forkserver children start with numpy and aioloader already imported.
-
-    Only takes effect if the interpreter's forkserver has not started yet, and only
-    adds to what is preloaded (``__main__`` stays, as multiprocessing does by default).
-    """
-    from multiprocessing import forkserver
-
-    with _preload_lock:
-        server = forkserver._forkserver
-        if getattr(server, "_forkserver_pid", None) is not None:
-            return
-        current = list(getattr(server, "_preload_modules", ["__main__"]))
-        if "aioloader._worker" not in current:
-            ctx.set_forkserver_preload([*current, "aioloader._worker"])
+def _settle(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)

@@ -11,11 +11,10 @@ This module never imports asyncio.
 from __future__ import annotations
 
 import os
-import types
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any
 
-from ._worker import _portable
+from ._reply import travelling
 from .errors import add_note as _add_note
 
 __all__ = ["Failed", "PerBatch", "PerItem"]
@@ -30,16 +29,9 @@ class Failed:
         self.exc = exc
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (Failed, (_travelling(self.exc),))
-
-
-# Only pickled when it leaves the process: then an exception that cannot travel is
-# replaced by a RemoteError, exactly as for errors raised by a worker.
-_LEAVING = cast(Any, types.SimpleNamespace(remote=True))
-
-
-def _travelling(exc: BaseException) -> BaseException:
-    return _portable(exc, _LEAVING)
+        # Only pickled when it leaves the process: an exception that cannot travel is
+        # then replaced by a RemoteError, exactly as for errors raised by a worker.
+        return (Failed, (travelling(self.exc),))
 
 
 class PerItem:

@@ -19,13 +19,12 @@ This module never imports asyncio.
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from . import _worker
-from .errors import CollateError
+from .errors import CollateError, add_note
 
 __all__ = ["Chain", "StreamContext", "StreamResult", "StreamTask", "run_stream_batch"]
 
@@ -59,21 +58,6 @@ class StreamResult(NamedTuple):
     end_ns: int
 
 
-def _context(task: StreamTask) -> StreamContext | None:
-    payload = task.payload
-    if isinstance(payload, StreamContext):
-        return payload
-    _worker.check_loaded(task.token)
-    ctx = _worker._contexts.get(task.token)
-    if ctx is None:
-        if payload is None:
-            return None
-        ctx = _worker._load_payload(task.token, payload)
-    if not isinstance(ctx, StreamContext):  # pragma: no cover - tokens are uuids
-        raise TypeError(f"aioloader: token {task.token} names a DataLoader, not a stream")
-    return ctx
-
-
 def run_stream_batch(task: StreamTask) -> StreamResult | str:
     """Apply ``fn`` and ``collate_fn`` to one micro-batch. Runs on any executor.
 
@@ -81,20 +65,7 @@ def run_stream_batch(task: StreamTask) -> StreamResult | str:
     stream yet and the task came without its payload. Exceptions from user code are
     raised with their own type and a note naming the source position of the item.
     """
-    ctx = _context(task)
-    if ctx is None:
-        return _worker.NEED_PAYLOAD
-    if not ctx.init_done:
-        _worker._run_init(ctx)
-    if ctx.init_error is not None:
-        raise _worker._portable(ctx.init_error, ctx)
-    start = time.monotonic_ns()
-    _worker._mark_start(task.task_id, start)
-    try:
-        data, count, skipped = _build(ctx, task)
-    finally:
-        _worker._mark_end(task.task_id)
-    return StreamResult(data, count, skipped, os.getpid(), start, time.monotonic_ns())
+    return _worker.run_task(task, _build, StreamResult, StreamContext)
 
 
 def _where(task: StreamTask) -> str:
@@ -115,14 +86,14 @@ def _build(ctx: StreamContext, task: StreamTask) -> tuple[Any, int, tuple[tuple[
         last = first + len(items) - 1
         try:
             outputs = fn(items)
-        except Exception as exc:
-            if ctx.on_error == "skip":
+        except BaseException as exc:  # SystemExit too: named, then carried home as a value
+            if ctx.on_error == "skip" and isinstance(exc, Exception):
                 why = f"{type(exc).__name__}: {exc}"
                 return None, 0, tuple((p, why) for p in where)
-            _worker._add_note(
+            add_note(
                 exc, f"aioloader: raised by fn(items) on stream items {first}..{last} in {_where(task)}"
             )
-            raise _worker._portable(exc, ctx)  # noqa: B904 (re-raises exc itself)
+            raise
         kept = list(where)
     else:
         outputs = []
@@ -131,15 +102,15 @@ def _build(ctx: StreamContext, task: StreamTask) -> tuple[Any, int, tuple[tuple[
             pos = where[k]
             try:
                 outputs.append(fn(item))
-            except Exception as exc:
-                if ctx.on_error == "skip":
+            except BaseException as exc:
+                if ctx.on_error == "skip" and isinstance(exc, Exception):
                     skipped.append((pos, f"{type(exc).__name__}: {exc}"))
                     continue
-                _worker._add_note(
+                add_note(
                     exc,
                     f"aioloader: raised by fn(item) on stream item {pos} (item {k} of {_where(task)})",
                 )
-                raise _worker._portable(exc, ctx)  # noqa: B904 (re-raises exc itself)
+                raise
             kept.append(pos)
         if not outputs:
             return None, 0, tuple(skipped)
@@ -151,11 +122,11 @@ def _build(ctx: StreamContext, task: StreamTask) -> tuple[Any, int, tuple[tuple[
             positions = getattr(exc, "positions", [])
             exc.indices = [kept[p] for p in positions if p < len(kept)]  # type: ignore[attr-defined]
             named = f"; the mismatching items are at source positions {exc.indices}"  # type: ignore[attr-defined]
-        _worker._add_note(
+        add_note(
             exc,
             f"aioloader: raised by collate_fn in {_where(task)}, source positions {_span(kept)}{named}",
         )
-        raise _worker._portable(exc, ctx)  # noqa: B904 (re-raises exc itself)
+        raise
     return batch, len(kept), tuple(skipped)
 
 

@@ -1,19 +1,21 @@
-"""What runs inside a worker: the dataset cache, per-sample seeding, fetch and collate.
+"""What runs inside a worker: loader contexts, the one task entry, and DataLoader batches.
 
-A loader's dataset, collate function and options travel to a worker once, as a pickled
-*payload* keyed by a token. An owned pool installs the payloads of its loaders when each
-worker starts (the pool's initializer); any other executor learns them lazily: a task
-whose token the worker has not seen comes back as :data:`NEED_PAYLOAD`, and the
-scheduler resubmits it once with the payload attached. Either way a batch task carries
-only its indices and a little metadata.
+A loader's dataset (or a stream's ``fn``), collate function and options travel to a
+worker once, as a pickled *payload* keyed by a token. An owned pool installs the
+payloads of its loaders when each worker starts (the pool's initializer); any other
+executor learns them lazily: a task whose token the worker has not seen comes back as
+:data:`NEED_PAYLOAD`, and the dispatcher resubmits it once with the payload attached.
+Either way a task carries only its indices (or items) and a little metadata.
+
+Every kind of task runs through :func:`run_task`: context lookup, ``worker_init_fn``,
+the slot-table marks (:mod:`aioloader._slots`), the caller's global random state
+(threads), and one *build* step, all that differs between a DataLoader batch
+(:func:`run_batch`) and a stream micro-batch (:mod:`aioloader._stream_worker`). How the
+outcome travels back, exceptions included, is :mod:`aioloader._reply`'s business.
 
 In an owned process pool, ``torch.utils.data.get_worker_info()`` answers as in a torch
 worker (id, num_workers, seed, dataset) wherever torch is imported in the worker; this
 module never imports torch itself (see :func:`_publish_worker_info`).
-
-Crash attribution and timeouts need to know which worker runs which task and since
-when. Each worker of an owned pool claims a slot in a small shared int64 table and
-writes ``(pid, task_id, start_ns)`` there before touching the dataset.
 
 This module never imports asyncio.
 """
@@ -21,22 +23,21 @@ This module never imports asyncio.
 from __future__ import annotations
 
 import os
-import pickle
 import random
 import signal
 import sys
 import threading
 import time
-import traceback
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, TypeVar
 
 import numpy as np
 
-from . import _byvalue, _orphan, _seeding
-from .errors import CollateError, DatasetPickleError, RemoteError
+from . import _byvalue, _orphan, _seeding, _slots
+from ._slots import Slots
+from .errors import CollateError, DatasetPickleError, add_note
 
 __all__ = [
     "NEED_PAYLOAD",
@@ -46,28 +47,13 @@ __all__ = [
     "install_context",
     "pool_initializer",
     "run_batch",
+    "run_task",
 ]
 
 NEED_PAYLOAD = "__aioloader_need_payload__"
+R = TypeVar("R")
 
 
-def _imported_by_forkserver_preload() -> bool:
-    frame: Any = sys._getframe()
-    suffix = os.path.join("multiprocessing", "forkserver.py")
-    while frame is not None:
-        if frame.f_code.co_name == "main" and frame.f_code.co_filename.endswith(suffix):
-            return True
-        frame = frame.f_back
-    return False
-
-
-# Workers must ignore Ctrl-C from birth, not only from the pool initializer on: a worker
-# still starting when the terminal's SIGINT reaches the process group would print a
-# KeyboardInterrupt traceback of its own. The forkserver hands its children the SIGINT
-# disposition it found after its preloads, so when this module is preloaded there (the
-# pool arranges that) it sets "ignore". Only the forkserver process is affected.
-if _imported_by_forkserver_preload():
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
 _MAX_CONTEXTS = 16  # loaders remembered per worker process (LRU) when a pool is shared
 
 
@@ -126,26 +112,7 @@ _contexts_lock = threading.Lock()
 _worker_id = 0
 _num_workers = 0  # the owned pool's size; 0 elsewhere (threads, borrowed executors)
 
-# Side channel for crash attribution and timeouts (owned process pools only).
-_slot_table: Any = None  # numpy int64 view over a shared RawArray, 3 fields per slot
-_slot: int = -1
-# Thread mode: the scheduler lives in this same process and reads these directly.
-thread_starts: dict[int, int] = {}
-
-
-def _add_note(exc: BaseException, note: str) -> None:
-    add = getattr(exc, "add_note", None)
-    if add is not None:
-        add(note)
-    else:  # Python 3.10
-        notes = getattr(exc, "__notes__", None)
-        if notes is None:
-            try:
-                exc.__notes__ = [note]
-            except AttributeError:
-                pass
-        else:
-            notes.append(note)
+_startup_error: BaseException | None = None  # what kept this worker's initializer from finishing
 
 
 def install_context(token: str, ctx: WorkerContext) -> None:
@@ -218,7 +185,7 @@ def _run_init(ctx: WorkerContext) -> None:
     try:
         ctx.worker_init_fn(_worker_id)
     except Exception as exc:  # surfaced with the first batch this worker builds
-        _add_note(exc, f"aioloader: raised by worker_init_fn({_worker_id}) in worker pid {os.getpid()}")
+        add_note(exc, f"aioloader: raised by worker_init_fn({_worker_id}) in worker pid {os.getpid()}")
         ctx.init_error = exc
 
 
@@ -230,55 +197,38 @@ def pool_initializer(
     max_slots: int,
     consumer_pid: int = 0,
 ) -> None:
-    """Initializer of an owned process pool: one call per worker process."""
-    global _slot_table, _slot, _worker_id, _num_workers
+    """Initializer of an owned process pool: one call per worker process.
+
+    Never raises: an initializer that raises kills its worker, which the pool could only
+    restart for ever, while the user saw "lost to a dying worker". A payload that cannot
+    be loaded fails the tasks of its loader; anything else fails every task of this
+    worker, each time with the worker's own exception."""
+    global _worker_id, _num_workers, _startup_error
     # Ctrl-C reaches the whole process group; only the consumer should react to it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if consumer_pid:
-        threading.Thread(
-            target=_orphan.exit_when_orphaned, args=(consumer_pid,), name="aioloader-orphan-watch", daemon=True
-        ).start()
-    if table is not None:
-        with lock:
-            _slot = counter.value
-            counter.value += 1
-        _worker_id = _slot
-        _num_workers = max_slots
-        if _slot < max_slots:
-            _slot_table = np.frombuffer(table, dtype=np.int64)
-            _slot_table[_slot * 3] = os.getpid()
-            _slot_table[_slot * 3 + 1] = -1
-        else:  # more processes than slots (never with a fixed-size pool): run untracked
-            _slot = -1
-    for token, payload in payloads.items():
-        try:
-            ctx = _load_payload(token, payload)
-        except DatasetPickleError as exc:
-            _load_errors[token] = exc.__cause__ or exc
-            continue
-        _run_init(ctx)
-
-
-def _portable(exc: BaseException, ctx: WorkerContext) -> BaseException:
-    """Make sure ``exc`` survives the trip to the consumer's process."""
-    if not ctx.remote:
-        return exc
     try:
-        pickle.loads(pickle.dumps(exc))
-        return exc
-    except Exception:
-        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        name = f"{type(exc).__module__}.{type(exc).__qualname__}"
-        remote = RemoteError(
-            f"{name}: {exc} (the original exception could not be pickled; its traceback "
-            "is in .remote_traceback)",
-            type_name=name,
-            original_message=str(exc),
-            remote_traceback=tb,
-        )
-        for note in getattr(exc, "__notes__", ()):
-            _add_note(remote, note)
-        return remote
+        if consumer_pid:
+            threading.Thread(
+                target=_orphan.exit_when_orphaned, args=(consumer_pid,), name="aioloader-orphan-watch", daemon=True
+            ).start()
+        if table is not None:
+            with lock:
+                slot = counter.value
+                counter.value += 1
+            _worker_id, _num_workers = slot, max_slots
+            if slot < max_slots:  # always, with a fixed-size pool
+                _slots.claim(table, slot, os.getpid())
+        for token, payload in payloads.items():
+            try:
+                ctx = _load_payload(token, payload)
+            except DatasetPickleError as exc:
+                _load_errors[token] = exc.__cause__ or exc
+                continue
+            _run_init(ctx)
+    except BaseException as exc:
+        add_note(exc, f"aioloader: raised while worker pid {os.getpid()} was starting")
+        _startup_error = exc
+    _slots.mark(Slots.READY)
 
 
 _SEEDED_BATCH_LOCK = threading.RLock()
@@ -301,54 +251,72 @@ class _GlobalRngGuard:
             torch.random.set_rng_state(self.torch)
 
 
-def _mark_start(task_id: int, now: int) -> None:
-    if _slot_table is not None and _slot >= 0:
-        _slot_table[_slot * 3 + 2] = now
-        _slot_table[_slot * 3 + 1] = task_id
-    else:
-        thread_starts[task_id] = now
-
-
-def _mark_end(task_id: int) -> None:
-    if _slot_table is not None and _slot >= 0:
-        _slot_table[_slot * 3 + 1] = -1
-    else:
-        thread_starts.pop(task_id, None)
-
-
-def run_batch(task: BatchTask) -> BatchResult | str:
-    """Fetch and collate one batch. The function every executor runs."""
+def context_of(task: Any, kind: type[WorkerContext] = WorkerContext) -> WorkerContext | None:
+    """The context ``task`` names (``token``, ``payload``), loading the payload it
+    carries if need be; ``None`` if this process has not seen it and it came without.
+    Raises the error that kept this worker from starting or from loading it."""
+    payload = task.payload
+    if isinstance(payload, kind):  # thread mode: the context itself rides along
+        return payload
+    if _startup_error is not None:
+        raise _startup_error
     check_loaded(task.token)
     ctx = _contexts.get(task.token)
     if ctx is None:
-        if task.payload is None:
-            return NEED_PAYLOAD
-        ctx = _load_payload(task.token, task.payload)
-    if not ctx.init_done:
-        _run_init(ctx)
-    if ctx.init_error is not None:
-        raise _portable(ctx.init_error, ctx)
-    _publish_worker_info(ctx, task.seed)
-    start = time.monotonic_ns()
-    _mark_start(task.task_id, start)
+        if payload is None:
+            return None
+        ctx = _load_payload(task.token, payload)
+    if not isinstance(ctx, kind):  # pragma: no cover - tokens are uuids
+        raise TypeError(f"aioloader: token {task.token} names another kind of loader")
+    return ctx
+
+
+def run_task(
+    task: Any,
+    build: Callable[[Any, Any], tuple[Any, ...]],
+    result: Callable[..., R],
+    kind: type[WorkerContext] = WorkerContext,
+) -> R | str:
+    """Run one task of any kind: ``result(*build(ctx, task), pid, start_ns, end_ns)``.
+
+    ``task`` has ``token``, ``task_id`` and ``payload``. Returns :data:`NEED_PAYLOAD`
+    when this worker has not seen the loader and the task came without its payload.
+    Exceptions from user code propagate with their own type and the notes ``build``
+    added (BaseExceptions too: :class:`aioloader._reply.Entry` carries them home)."""
+    _slots.mark(Slots.ACCEPTED, task.task_id)
     try:
+        ctx = context_of(task, kind)
+        if ctx is None:
+            return NEED_PAYLOAD
+        if not ctx.init_done:
+            _run_init(ctx)
+        if ctx.init_error is not None:
+            raise ctx.init_error
+        _publish_worker_info(ctx, getattr(task, "seed", ctx.seed))
+        start = time.monotonic_ns()
+        _slots.mark(Slots.RUNNING, task.task_id, start)
         if not ctx.seed_samples:
-            data, skipped = _build(ctx, task)
+            fields = build(ctx, task)
         elif ctx.remote:
             # random's and numpy's global generators are shared by every thread of a
             # process (a borrowed thread executor, a dask worker's threads): seeded batches
             # build one at a time. A process-pool worker has one thread; the lock is free.
             with _SEEDED_BATCH_LOCK:
-                data, skipped = _build(ctx, task)
+                fields = build(ctx, task)
         else:
             # The loader's own thread (num_workers=0) runs one batch at a time; no lock, so
             # a thread abandoned after a timeout cannot hold up its replacement. The
             # consumer's own random state is put back after each batch.
             with _GlobalRngGuard():
-                data, skipped = _build(ctx, task)
+                fields = build(ctx, task)
+        return result(*fields, os.getpid(), start, time.monotonic_ns())
     finally:
-        _mark_end(task.task_id)
-    return BatchResult(data, skipped, os.getpid(), start, time.monotonic_ns())
+        _slots.mark(Slots.HOLDING, task.task_id)
+
+
+def run_batch(task: BatchTask) -> BatchResult | str:
+    """Fetch and collate one DataLoader batch (see :func:`run_task`)."""
+    return run_task(task, _build, BatchResult)
 
 
 def _where(task: BatchTask) -> str:
@@ -383,15 +351,15 @@ def _build(ctx: WorkerContext, task: BatchTask) -> tuple[Any, tuple[tuple[int, s
                     in_transform = True
                     sample = transform(sample)
                 samples.append(sample)
-            except Exception as exc:
-                if ctx.on_error == "skip":
+            except BaseException as exc:  # SystemExit too: named, then carried home as a value
+                if ctx.on_error == "skip" and isinstance(exc, Exception):
                     skipped.append((i, f"{type(exc).__name__}: {exc}"))
                     continue
                 what = f"dataset[{i}]"
                 if in_transform:
                     what = "transform(the fetched sample)" if values is not None else f"transform(dataset[{i}])"
-                _add_note(exc, f"aioloader: raised by {what} (sample index {i}) in {_where(task)}")
-                raise _portable(exc, ctx)  # noqa: B904 (re-raises exc itself)
+                add_note(exc, f"aioloader: raised by {what} (sample index {i}) in {_where(task)}")
+                raise
             kept.append(i)
     finally:
         _seeding.clear_sample()
@@ -408,8 +376,8 @@ def _build(ctx: WorkerContext, task: BatchTask) -> tuple[Any, tuple[tuple[int, s
             named = f"; the mismatching samples have indices {exc.indices}"  # type: ignore[attr-defined]
         else:
             named = ""
-        _add_note(exc, f"aioloader: raised by collate_fn in {_where(task)}, sample indices {kept}{named}")
-        raise _portable(exc, ctx)  # noqa: B904 (re-raises exc itself)
+        add_note(exc, f"aioloader: raised by collate_fn in {_where(task)}, sample indices {kept}{named}")
+        raise
     return batch, tuple(skipped)
 
 

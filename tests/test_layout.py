@@ -15,7 +15,7 @@ PKG = Path(aioloader.__file__).resolve().parent
 # The formats layer (_formats/) is worker-side as a whole, and so are its public faces.
 # So is the shared-memory package (workers import all of it: the encoder names the decoder).
 WORKER_SIDE = [
-    "_worker.py", "_orphan.py", "_byvalue.py", "_stream_worker.py", "_serve_worker.py", "_seeding.py", "_collate.py", "_plan/*.py",
+    "_worker.py", "_slots.py", "_reply.py", "_forkserver_preload.py", "_orphan.py", "_byvalue.py", "_stream_worker.py", "_serve_worker.py", "_seeding.py", "_collate.py", "_plan/*.py",
     "errors.py", "recordio.py", "datasets.py", "transforms.py", "_formats/*.py", "_shm/*.py",
 ]
 # Public modules that re-export the formats layer, and the names each must keep.

@@ -32,10 +32,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
-from .._dispatch import Dispatcher, cancelling
 from .._pool import WorkerPool
 from .._stats import Recorder, _Epoch
 from ..errors import LoaderClosedError, add_note
+from .dispatch import Dispatcher, cancelling
 from .fetch import FetchConfig, FetchStage
 
 __all__ = ["Delivery", "Run", "RunConfig", "Unit", "UnitSource", "closed_while_iterating"]

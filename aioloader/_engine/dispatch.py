@@ -1,10 +1,11 @@
 """The dispatcher: runs one unit of work on the pool until it succeeds, fails in user
 code, or exhausts its retries; owns the timeout watchdog of the work it runs.
 
-Crash handling: a task whose worker died is resubmitted (and charged against
-``max_retries`` only when it was the one running on the dead worker); a task that reaches
-a borrowed executor's worker before the loader's payload does is resubmitted once with
-the payload attached.
+It knows nothing of pool kinds: the pool says when a task started, stops one that
+overran, and, after a lost task, which tasks the dead workers held. A lost task is
+resubmitted, and charged against ``max_retries`` only when its own worker died holding
+it; a task that reaches a borrowed executor's worker before the loader's payload does
+is resubmitted once with the payload attached.
 """
 
 from __future__ import annotations
@@ -15,14 +16,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from . import _worker
-from ._pool import Generation, WorkerPool
-from ._stats import Recorder
-from .errors import LoaderClosedError, LoaderTimeout, WorkerCrashedError
+from .. import _worker
+from .._pool import Job, Lost, WorkerPool, describe_exit
+from .._stats import Recorder
+from ..errors import LoaderClosedError, LoaderTimeout, WorkerCrashedError
 
 __all__ = ["Dispatcher", "cancelling"]
 
 _task_ids = itertools.count(1)
+
 
 class Dispatcher:
     """Runs tasks on a pool until they succeed, fail in user code, or exhaust retries.
@@ -46,8 +48,8 @@ class Dispatcher:
         self.max_retries = max_retries
         self.is_closed = is_closed
         self.stopping = False
-        self._running: dict[int, tuple[Generation, asyncio.Future[Any], int]] = {}
-        self._timed_out: set[int] = set()
+        self._running: dict[int, Job] = {}
+        self._timed_out: dict[int, str] = {}  # task id -> what the pool did about it
         self._watchdog: asyncio.Task[None] | None = None
 
     def stop(self) -> list[asyncio.Task[None]]:
@@ -81,58 +83,43 @@ class Dispatcher:
             if gen is None:
                 try:
                     gen = await loop.run_in_executor(None, pool.start)
-                except RuntimeError as exc:  # the pool was shut down under us
+                except RuntimeError as exc:  # the loop's default executor is shut down
                     if self.is_closed() or pool.closed:
                         raise LoaderClosedError("the loader was closed while this batch was pending") from exc
                     raise
             task = make_task(next(_task_ids), with_payload)
             task_id = task.task_id
             submit_ns = time.monotonic_ns()
+            job = pool.submit(gen, fn, task)
+            self._running[task_id] = job
             try:
-                cfut = pool.submit(gen, fn, task)
-                fut = asyncio.wrap_future(cfut, loop=loop)
-                self._running[task_id] = (gen, fut, submit_ns)
-                try:
-                    res = await fut
-                finally:
-                    self._running.pop(task_id, None)
-            except asyncio.CancelledError:
-                if self.stopping or self.is_closed() or cancelling():
-                    raise  # this task itself is being cancelled
-                if task_id in self._timed_out:
-                    raise self._timeout_error(label, indices) from None
-                continue  # an abandoned thread generation cancelled it: run it again
-            except Exception as exc:
+                res = await pool.result(job)
+            except Lost as lost:
                 if self.is_closed():
-                    raise LoaderClosedError("the loader was closed while this batch was pending") from exc
-                if not pool.is_crash(exc):
-                    raise
+                    raise LoaderClosedError("the loader was closed while this batch was pending") from None
                 info = await loop.run_in_executor(None, pool.recover, gen)
                 if task_id in self._timed_out:
-                    raise self._timeout_error(label, indices) from None
-                if not info.known or task_id in info.culprits:
+                    raise self._timeout_error(label, indices, self._timed_out[task_id]) from None
+                if task_id in info.charged:
                     attempts += 1
                     if attempts > self.max_retries:
-                        code = info.culprits.get(task_id)
-                        if code is not None:
-                            how = f"exit code {_describe_code(code)}"
-                        else:
-                            codes = sorted({_describe_code(c) for c in info.exitcodes.values() if c is not None})
-                            how = (
-                                f"the culprit could not be told apart; dead workers' exit codes: {codes or 'unknown'}."
-                                " Workers that die before running any task usually cannot import the main"
-                                " script or the dataset's module (guard a script's entry point with"
-                                " if __name__ == '__main__'); their traceback is on stderr"
-                            )
+                        code = info.charged[task_id]
                         raise WorkerCrashedError(
                             f"{label} (sample indices {_short(indices)}) was lost to a dying worker "
-                            f"{attempts} times ({how}); max_retries={self.max_retries}",
+                            f"{attempts} times (exit code {describe_exit(code)}); max_retries={self.max_retries}",
                             indices=_as_list(indices),
                             exitcode=code,
                             attempts=attempts,
-                        ) from exc
+                        ) from lost
                 self.recorder.retries += 1
                 continue
+            except Exception as exc:
+                if self.is_closed():
+                    raise LoaderClosedError("the loader was closed while this batch was pending") from exc
+                raise
+            finally:
+                self._running.pop(task_id, None)
+                self._timed_out.pop(task_id, None)
             if isinstance(res, str) and res == _worker.NEED_PAYLOAD:
                 with_payload = True
                 self.recorder.retries += 1
@@ -140,12 +127,8 @@ class Dispatcher:
             self.recorder.finished(res.pid, res.start_ns, res.end_ns, submit_ns, time.monotonic_ns(), label)
             return res
 
-    def _timeout_error(self, label: str, indices: Any) -> LoaderTimeout:
+    def _timeout_error(self, label: str, indices: Any, how: str) -> LoaderTimeout:
         t = self.timeout
-        how = {
-            "process": "the worker was killed and the pool rebuilt",
-            "thread": "the stuck thread was abandoned (it ends when its sample returns)",
-        }.get(self.pool.kind, "the borrowed executor's task could not be stopped")
         return LoaderTimeout(
             f"{label} (sample indices {_short(indices)}) was not delivered within timeout={t} s "
             f"of a worker starting it; {how}",
@@ -161,26 +144,18 @@ class Dispatcher:
         while True:
             await asyncio.sleep(period)
             now = time.monotonic_ns()
-            for task_id, (gen, fut, submit_ns) in list(self._running.items()):
+            for task_id, job in list(self._running.items()):
                 if task_id in self._timed_out:
                     continue
-                if pool.kind == "process":
-                    started = gen.running_tasks().get(task_id, (0, 0))[1]
-                elif pool.kind == "thread":
-                    started = _worker.thread_starts.get(task_id, 0)
-                else:
-                    started = submit_ns
-                if not started or now - started <= limit:
+                started = pool.started_at(job)
+                if started is None or now - started <= limit:
                     continue
-                self._timed_out.add(task_id)
-                if pool.kind == "process":
-                    if not await loop.run_in_executor(None, pool.kill_task, gen, task_id):
-                        # it finished between our look and the kill: not a timeout
-                        self._timed_out.discard(task_id)
+                self._timed_out[task_id] = "the pool stopped it"
+                how = await loop.run_in_executor(None, pool.stop, job)
+                if how is None:  # it finished between our look and the stop: no timeout
+                    self._timed_out.pop(task_id, None)
                 else:
-                    if pool.kind == "thread":
-                        pool.abandon(gen)
-                    fut.cancel()
+                    self._timed_out[task_id] = how
 
 
 def _as_list(indices: Any) -> list[int]:
@@ -192,19 +167,6 @@ def _short(indices: Any, limit: int = 16) -> str:
     if len(ids) <= limit:
         return str(ids)
     return f"{ids[:limit]}... ({len(ids)} samples)"
-
-
-def _describe_code(code: int | None) -> str:
-    if code is None:
-        return "unknown"
-    if code < 0:
-        import signal
-
-        try:
-            return f"{code}, killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"{code}, killed by signal {-code}"
-    return str(code)
 
 
 def cancelling() -> bool:

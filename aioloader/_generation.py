@@ -1,0 +1,287 @@
+"""One incarnation of a pool's executor, and every private name of ``concurrent.futures``
+and ``multiprocessing`` that aioloader reads (no other module reads any).
+
+A :class:`Generation` wraps one executor: the process pool or thread an owned
+:class:`~aioloader.WorkerPool` created, or the executor a user lent it. A crash ends a
+generation; the pool replaces it. This module knows how to create, watch and retire
+one; what a death means for the tasks is the pool's business.
+
+Watching a break: when a ``ProcessPoolExecutor`` breaks, its manager thread fails
+every pending future *before* it terminates the surviving workers. The first such
+future's callback (:meth:`Generation.settled`), running in that thread, records which
+workers were already dead and what their rows of the slot table
+(:class:`~aioloader._worker.Slots`) said: the deaths that broke the pool, told apart
+from the terminations that followed, whatever their exit codes.
+
+Private names read, because before Python 3.14 the public API cannot tell which
+processes a pool runs, which one died, or stop a stuck worker:
+
+=================================================  ===============================================
+``ProcessPoolExecutor._processes``                 worker pids, exit codes at a break, killing
+``ProcessPoolExecutor._executor_manager_thread``   is a callback in it; joining it when retired
+``ProcessPoolExecutor._launch_processes``          starting every worker before the first task
+``ProcessPoolExecutor._max_workers``,              concurrency of a borrowed executor
+``ThreadPoolExecutor._max_workers``
+``ThreadPoolExecutor._threads``,                   letting interpreter exit pass an abandoned,
+``concurrent.futures.thread._threads_queues``      stuck thread
+``concurrent.futures.process._global_shutdown``,   telling interpreter exit from a broken pool
+``concurrent.futures.thread._shutdown``
+``multiprocessing.forkserver._forkserver``:        preloading the forkserver; resetting what a
+``._forkserver_pid``, ``._preload_modules``,       forked child inherits from its parent's
+``._forkserver_address``,                          forkserver
+``._forkserver_alive_fd``, ``._lock``
+``threading._register_atexit``                     stopping our workers before concurrent.futures
+                                                   joins them at interpreter exit
+=================================================  ===============================================
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import concurrent.futures.process  # its exit hook must be registered before ours: see below
+import concurrent.futures.thread  # noqa: F401
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Callable, MutableMapping
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait as wait_ready
+from multiprocessing.context import BaseContext
+from typing import Any
+
+from . import _byvalue, _reply, _worker
+from ._slots import Slots
+
+__all__ = ["CrashInfo", "Generation", "Rows", "concurrency_of", "interpreter_exiting"]
+
+Rows = dict[int, tuple[int, int, int]]  # pid -> (phase, task_id, start_ns)
+
+
+@dataclass
+class CrashInfo:
+    """How a generation ended, as far as its tasks are concerned (the pool's verdict)."""
+
+    charged: dict[int, int | None]  # task id -> exit code of the worker that died holding it
+    exitcodes: dict[int, int | None]  # pid -> exit code, of the workers that died on their own
+    startup: bool = False  # no worker of the generation ever became ready
+    fatal: Exception | None = None  # raised to every task that asks
+
+
+@dataclass(eq=False)
+class Generation:
+    """One executor incarnation and what is known about it."""
+
+    number: int
+    executor: cf.Executor
+    origin: _reply.Origin
+    owned: bool = True
+    processes: MutableMapping[int, Any] | None = None  # the executor's own pid -> Process mapping
+    slots: Slots | None = None
+    manager: threading.Thread | None = None
+    started: bool = False
+    broken: bool = False  # one of its futures failed with BrokenExecutor
+    failure: BaseException | None = None  # why it refused work
+    deaths: tuple[dict[int, int | None], Rows] | None = None  # taken when it broke
+    crash: CrashInfo | None = None  # the pool's verdict, once retired
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    tokens: frozenset[str] = frozenset()  # the payloads its workers receive when they start
+
+    @classmethod
+    def processes_of(
+        cls, number: int, ctx: BaseContext, n: int, payloads: dict[str, bytes | _byvalue.Inherited]
+    ) -> Generation:
+        """A process pool of ``n`` workers (none started yet). Raises ``OSError`` when
+        multiprocessing cannot create its semaphores or shared memory."""
+        method = ctx.get_start_method()
+        if method != "fork":
+            _byvalue.drop_fake_main_file()
+        if method == "forkserver":
+            _preload_forkserver(ctx)
+        table = ctx.RawArray("q", Slots.WIDTH * n)
+        args = (dict(payloads), table, _slot_lock(ctx), ctx.RawValue("i", 0), n, os.getpid())
+        pex = cf.ProcessPoolExecutor(n, ctx, _worker.pool_initializer, args)
+        return cls(
+            number, pex, _reply.origin(True), processes=pex._processes, slots=Slots(table), tokens=frozenset(payloads)
+        )
+
+    def launch(self) -> None:
+        """Start every worker process now, in parallel. Alone, the executor spawns one per
+        submit that finds no idle worker, and can stay short of its size."""
+        launch = getattr(self.executor, "_launch_processes", None)
+        if launch is not None and getattr(self.executor, "_executor_manager_thread", None) is None:
+            launch()
+
+    @classmethod
+    def thread(cls, number: int) -> Generation:
+        ex = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="aioloader-worker")
+        return cls(number, ex, _reply.origin(False))
+
+    @classmethod
+    def borrowed(cls, number: int, ex: cf.Executor) -> Generation:
+        # Replies may be spilled only through a process pool's pipe: it is read, and
+        # every reply unpickled, as soon as it arrives.
+        return cls(number, ex, _reply.origin(isinstance(ex, cf.ProcessPoolExecutor)), owned=False)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> cf.Future[Any]:
+        """``executor.submit``, watched for a break (raises what the executor raises)."""
+        fut = self.executor.submit(fn, *args)
+        if self.manager is None and self.processes is not None:
+            self.manager = getattr(self.executor, "_executor_manager_thread", None)
+        fut.add_done_callback(self.settled)
+        return fut
+
+    def settled(self, fut: cf.Future[Any]) -> None:
+        """Done callback: at a break it runs in the manager thread, before the survivors
+        are terminated, which is the moment to see who died on their own."""
+        if fut.cancelled() or not isinstance(fut.exception(), cf.BrokenExecutor):
+            return
+        self.broken = True
+        if self.deaths is None and self.processes is not None and threading.current_thread() is self.manager:
+            codes = {pid: p.exitcode for pid, p in list(self.processes.items())}
+            rows = self.slots.snapshot() if self.slots is not None else {}
+            self.deaths = ({p: c for p, c in codes.items() if c is not None}, rows)
+
+    def final_deaths(self) -> tuple[dict[int, int | None], Rows]:
+        """Who died on their own (pid -> exit code) and the slot rows, as seen at the
+        break; without a break seen (it refused work, or broke with nothing pending),
+        nobody whose death could matter to a task."""
+        if self.deaths is not None:
+            return self.deaths
+        return {}, self.slots.snapshot() if self.slots is not None else {}
+
+    def pids(self) -> list[int]:
+        return sorted(list(self.processes)) if self.processes is not None else []
+
+    def abandon_thread(self) -> None:
+        """Drop a stuck thread generation: queued tasks are cancelled (a thread pool
+        has no manager thread to race with), the stuck one runs on unwatched."""
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        _forget_threads(self.executor)
+
+    def retire(self, grace: float) -> None:
+        """Shut an owned generation down without hanging on a stuck task, then remove
+        the spill files of its dead workers.
+
+        Exit codes are left to the manager thread (reading them from another thread
+        races with it on forkserver's status pipe): this waits on the sentinels."""
+        ex = self.executor
+        if isinstance(ex, cf.ThreadPoolExecutor):
+            ex.shutdown(wait=False, cancel_futures=True)
+            deadline = time.monotonic() + max(grace, 0.0) + 5.0
+            for t in list(getattr(ex, "_threads", ())):
+                t.join(max(0.0, deadline - time.monotonic()))
+            _forget_threads(ex)
+            return
+        procs = list((self.processes or {}).values())
+        manager = self.manager or getattr(ex, "_executor_manager_thread", None)
+        # The manager thread cancels the queued tasks itself: no cancel races a break.
+        ex.shutdown(wait=False, cancel_futures=True)
+        sentinels = {p.sentinel: p for p in procs}
+        deadline = time.monotonic() + grace
+        while sentinels and time.monotonic() < deadline:
+            for s in wait_ready(list(sentinels), max(0.0, deadline - time.monotonic())):
+                sentinels.pop(s)
+        for p in sentinels.values():
+            with contextlib.suppress(ValueError):  # a closed Process object
+                p.kill()
+        if sentinels:
+            wait_ready(list(sentinels), 5.0)
+        if manager is not None and manager is not threading.current_thread():
+            manager.join(10.0)
+        _reply.sweep_spills([p.pid for p in procs])
+
+
+def concurrency_of(ex: cf.Executor) -> int:
+    n = getattr(ex, "_max_workers", None)
+    return int(n) if isinstance(n, int) and n > 0 else os.cpu_count() or 1
+
+
+def interpreter_exiting() -> bool:
+    from concurrent.futures import process, thread
+
+    return bool(getattr(process, "_global_shutdown", False) or getattr(thread, "_shutdown", False))
+
+
+def _forget_threads(ex: cf.Executor) -> None:
+    """``concurrent.futures`` joins every executor thread at exit, without a timeout:
+    drop an abandoned one from that registry, so that it dies with the process."""
+    from concurrent.futures import thread as cf_thread
+
+    registry = getattr(cf_thread, "_threads_queues", None)
+    for t in list(getattr(ex, "_threads", ())):
+        if registry is not None:
+            registry.pop(t, None)
+
+
+# Generation boxes of the pools not yet shut down (a pool removes its own).
+live_boxes: dict[int, list[Generation | None]] = {}
+
+
+def _retire_all_at_exit() -> None:
+    """Interpreter exit: stop every owned pool's workers before ``concurrent.futures``
+    waits for them. Its exit hook joins each pool's manager thread, which waits for
+    running tasks: a worker stuck in a sample would hang the exit, Ctrl-C included.
+    Threading exit hooks run newest first, and this one is registered after that
+    module's (imported above), so it runs first and kills what is still running."""
+    for box in list(live_boxes.values()):
+        gen, box[0] = box[0], None
+        if gen is not None and gen.owned and gen.processes is not None:
+            gen.retire(grace=0.1)
+
+
+threading._register_atexit(_retire_all_at_exit)  # type: ignore[attr-defined]
+
+_preload_lock = threading.Lock()
+_slot_locks: dict[str, Any] = {}
+
+
+def _slot_lock(ctx: BaseContext) -> Any:
+    """The lock workers take to claim a row of their generation's table: one per start
+    method for the whole process, not one per generation. (A multiprocessing lock that the
+    garbage collector finalizes while this thread talks to the resource tracker makes
+    CPython 3.12's tracker raise ``ReentrantCallError`` and keep descriptors.)"""
+    method = ctx.get_start_method()
+    with _preload_lock:
+        lock = _slot_locks.get(method)
+        if lock is None:
+            lock = _slot_locks[method] = ctx.Lock()
+        return lock
+
+
+def _preload_forkserver(ctx: BaseContext) -> None:
+    """Have the forkserver import :mod:`aioloader._forkserver_preload` (workers ignore
+    SIGINT from birth and start with aioloader imported). Only takes effect if the
+    forkserver has not started yet; ``__main__`` stays preloaded, as by default."""
+    from multiprocessing import forkserver
+
+    with _preload_lock:
+        server: Any = forkserver._forkserver
+        if getattr(server, "_forkserver_pid", None) is not None:
+            return
+        current = list(getattr(server, "_preload_modules", ["__main__"]))
+        if "aioloader._forkserver_preload" not in current:
+            ctx.set_forkserver_preload([*current, "aioloader._forkserver_preload"])
+
+
+def _after_fork_in_child() -> None:
+    """A child forked from this process inherits its pools and its forkserver's
+    bookkeeping, none of which it owns: without this it would kill its parent's workers
+    at exit, and its first pool would fail with ``ChildProcessError`` (multiprocessing
+    would wait for a forkserver that is not its child)."""
+    for box in live_boxes.values():
+        box[0] = None
+    live_boxes.clear()
+    from multiprocessing import forkserver
+
+    server: Any = forkserver._forkserver
+    if getattr(server, "_forkserver_pid", None) is not None:
+        alive = server._forkserver_alive_fd
+        server._forkserver_pid = server._forkserver_address = server._forkserver_alive_fd = None
+        server._lock = threading.Lock()
+        if alive is not None:
+            with contextlib.suppress(OSError):
+                os.close(alive)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

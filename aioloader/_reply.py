@@ -1,0 +1,391 @@
+"""How a task's outcome travels back: small messages in the pipe, large ones beside it.
+
+Why: a ``ProcessPoolExecutor`` reads every result from one pipe shared by all workers.
+A worker killed half-way through writing a large result leaves half a message there;
+the executor's manager thread then waits for the rest forever, sees no worker death
+and no timeout, and blocks interpreter exit too. Linux writes of at most ``PIPE_BUF``
+(4,096) bytes to a pipe are atomic, so a channel whose messages are all smaller than
+that cannot be left half-written by a dying worker.
+
+So the pool runs every task through :class:`Entry`, which never raises and returns
+a reply small enough for one atomic write:
+
+* **in the consumer's own process** (threads): the :class:`Outcome` itself, nothing
+  pickled;
+* **up to** :data:`INLINE_MAX` **bytes pickled**: the pickle, inline;
+* **larger**, from a worker of a process pool on the consumer's host (same
+  :func:`~aioloader._shm.host_key`, another pid): the pickle is *spilled* into a file
+  beside the pipe and the reply names it. Out-of-band pickle buffers (numpy arrays)
+  are written straight from the arrays, and arrive as views of one buffer;
+* **larger, anywhere else** (a dask worker, or no room to spill): inline, as before.
+
+Exceptions travel the same way (tracebacks can be large), ``BaseException`` included:
+the reply carries the exception and its formatted traceback, rebuilt in the consumer
+as the exception with a :class:`RemoteTraceback` as ``__cause__``. An exception that
+does not survive pickling arrives as :class:`~aioloader.RemoteError`.
+
+Spill files, and who frees them
+-------------------------------
+Named ``aioloader_<consumer pid>_<worker pid>_spill<nonce>_<seq>``, in ``/dev/shm``
+when it has room for the file, else in the temporary directory, mode 0600, created
+with ``O_EXCL``.
+
+1. The consumer unlinks a spill file on arrival: the reply is unpickled by the
+   executor's result thread as soon as it is read, whether or not anyone still
+   awaits the task, and that unpickling reads the file and unlinks it.
+2. A worker killed after it created a spill file but before its reply was written
+   leaves the file behind: the pool removes every spill file of a dead worker once
+   that worker's generation is retired (nothing can read its replies any more), and
+   names of this consumer's dead workers older than a few seconds whenever it sweeps.
+3. A consumer that is killed: its workers (owned pools watch their consumer) unlink
+   the files they wrote last; names whose consumer and worker are both gone, owned
+   by this user and over a minute old, are removed by the next pool that starts.
+
+Arrival runs in the executor's result thread, where an exception would break the
+whole pool: it never raises; a failure becomes the task's exception.
+
+This module never imports asyncio.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import io
+import itertools
+import os
+import pickle
+import secrets
+import struct
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterable
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
+
+import numpy as np
+
+from . import _orphan
+from ._shm import PREFIX, SHM_DIR, _parse_name, _pid_alive, host_key
+from .errors import RemoteError, SharedMemoryError, add_note
+
+__all__ = ["INLINE_MAX", "Entry", "Origin", "Outcome", "RemoteTraceback", "origin", "sweep_spills", "travelling"]
+
+#: Largest pickled outcome sent through the pipe from a worker that could spill: with
+#: the executor's own wrapping the message stays well under PIPE_BUF.
+INLINE_MAX = 3 * 1024
+ALIGN = 64
+SPILL_TAG = "spill"
+ROOM_CHECK = 1 << 20  # spills this large look for room first (a write to tmpfs is all-or-error)
+SWEEP_GRACE_S = 5.0  # a dead worker's spill file younger than this may still be in flight
+FOREIGN_GRACE_S = 60.0
+
+# (consumer pid, consumer host key, directories a worker may spill into, in order).
+Origin = tuple[int, tuple[str, int, int, int], tuple[str, ...]]
+
+
+def spill_dirs() -> tuple[str, ...]:
+    """Where this consumer's workers put spill files, in order of preference (tests
+    replace this function)."""
+    return (SHM_DIR, tempfile.gettempdir())
+
+
+def origin(spill: bool) -> Origin:
+    """What a task must know about the consumer to choose how to reply; ``spill``:
+    its workers may spill (a process pool's result pipe, read as results arrive)."""
+    return (os.getpid(), host_key(), spill_dirs() if spill else ())
+
+
+class RemoteTraceback(Exception):
+    """The ``__cause__`` of an exception raised in a worker: its traceback there."""
+
+    def __init__(self, tb: str) -> None:
+        super().__init__(tb)
+        self.tb = tb
+
+    def __str__(self) -> str:
+        return self.tb
+
+
+class Outcome:
+    """A task's outcome in the consumer: ``ok`` and its return value, or the exception
+    it raised (``ok`` false)."""
+
+    __slots__ = ("ok", "value")
+
+    def __init__(self, ok: bool, value: Any) -> None:
+        self.ok = ok
+        self.value = value
+
+    def unwrap(self) -> Any:
+        """The value, or raise the exception (``SystemExit`` and other
+        ``BaseException``s too: the engine carries those to the consumer as values, so
+        that they cannot stop the event loop that runs the iteration)."""
+        if self.ok:
+            return self.value
+        raise self.value
+
+
+class Entry:
+    """The callable the pool submits: runs ``fn(task)`` and replies (see module doc).
+
+    Never raises. Pickles as ``fn`` and the consumer's :data:`Origin`, so a task still
+    carries only what it did before."""
+
+    __slots__ = ("fn", "origin")
+
+    def __init__(self, fn: Callable[[Any], Any], origin: Origin) -> None:
+        self.fn = fn
+        self.origin = origin
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Entry, (self.fn, self.origin))
+
+    def __call__(self, task: Any) -> Any:
+        try:
+            value, ok = self.fn(task), True
+        except BaseException as exc:  # SystemExit too: it must not end the worker
+            value, ok = exc, False
+        consumer, host, dirs = self.origin
+        local = host == host_key()
+        if local and consumer == os.getpid():
+            return Outcome(ok, value)
+        dirs = dirs if local else ()
+        try:
+            return _pack(ok, value, dirs, consumer)
+        except BaseException as exc:
+            _note(exc, f"aioloader: raised while pickling a task's result in worker pid {os.getpid()}")
+            return _pack(False, exc, dirs, consumer)
+
+
+_note = add_note
+
+
+def travelling(exc: BaseException) -> BaseException:
+    """``exc`` if it survives pickling, else a :class:`~aioloader.RemoteError` standing
+    for it (with its notes and traceback text)."""
+    return _portable(exc)[0]
+
+
+def _portable(exc: BaseException) -> tuple[BaseException, str]:
+    """``exc`` (or a RemoteError standing for it) and its traceback, ready to pickle."""
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception:
+        why = "(the original exception could not be pickled; its traceback is in .remote_traceback)"
+        exc = _remote(exc, tb, why)
+    exc.__traceback__ = None  # frames hold the batch's objects; the text is enough
+    return exc, '\n"""\n' + tb + '"""'
+
+
+def _remote(exc: BaseException, tb: str, why: str) -> RemoteError:
+    """A RemoteError standing for ``exc``, with its notes."""
+    name = f"{type(exc).__module__}.{type(exc).__qualname__}"
+    err = RemoteError(f"{name}: {exc} {why}", type_name=name, original_message=str(exc), remote_traceback=tb)
+    for note in getattr(exc, "__notes__", ()):
+        _note(err, note)
+    return err
+
+
+def _dumps(obj: Any, buffers: list[pickle.PickleBuffer] | None) -> bytes:
+    buf = io.BytesIO()
+    callback = None if buffers is None else buffers.append
+    ForkingPickler(buf, 5, True, callback).dump(obj)  # its __init__ takes positional arguments only
+    return buf.getvalue()
+
+
+class _Inline:
+    """A reply pickled in full; unpickles as its :class:`Outcome`."""
+
+    __slots__ = ("data", "ok")
+
+    def __init__(self, ok: bool, data: bytes) -> None:
+        self.ok = ok
+        self.data = data
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_unpack_inline, (self.ok, self.data))
+
+
+class _Spilled:
+    """A reply whose pickle lies in a file; unpickles (reading and unlinking the file)
+    as its :class:`Outcome`."""
+
+    __slots__ = ("ok", "path", "pid")
+
+    def __init__(self, ok: bool, path: str) -> None:
+        self.ok = ok
+        self.path = path
+        self.pid = os.getpid()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_unpack_spilled, (self.ok, self.path, self.pid))
+
+
+def _pack(ok: bool, value: Any, dirs: tuple[str, ...], consumer: int) -> _Inline | _Spilled:
+    obj = value if ok else _portable(value)
+    buffers: list[pickle.PickleBuffer] = []
+    head = _dumps(obj, buffers)
+    size = len(head) + sum(b.raw().nbytes for b in buffers)
+    if size > INLINE_MAX and dirs:
+        path = _spill(head, buffers, dirs, consumer)
+        if path is not None:
+            return _Spilled(ok, path)
+    return _Inline(ok, _dumps(obj, None) if buffers else head)
+
+
+# ----------------------------------------------------------------------- worker: spilling
+_nonce = ""
+_seq = itertools.count()
+_written: collections.deque[str] = collections.deque(maxlen=8)  # removed if the consumer dies
+
+
+def _spill(head: bytes, buffers: list[pickle.PickleBuffer], dirs: tuple[str, ...], consumer: int) -> str | None:
+    """Write the pickle and its buffers to a new file in the first of ``dirs`` with
+    room for it; its path, or ``None`` if none has."""
+    global _nonce
+    parts: list[Any] = [head, *(b.raw() for b in buffers)]
+    table = struct.pack(f"<{len(parts) + 1}q", len(parts), *(memoryview(p).nbytes for p in parts))
+    need = _aligned(len(table)) + sum(_aligned(memoryview(p).nbytes) for p in parts)
+    if not _nonce:
+        _nonce = secrets.token_hex(4)
+        _orphan.on_orphaned(_remove_written)
+    name = f"{PREFIX}{consumer}_{os.getpid()}_{SPILL_TAG}{_nonce}_{next(_seq)}"
+    for directory in dirs:
+        if need >= ROOM_CHECK:  # a smaller write that finds no room fails with ENOSPC
+            with contextlib.suppress(OSError):
+                st = os.statvfs(directory)
+                if st.f_bavail * st.f_frsize < need:
+                    continue
+        path = os.path.join(directory, name)
+        try:
+            _write(path, [table, *parts])
+        except OSError:
+            continue
+        _written.append(path)
+        return path
+    return None
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _write(path: str, parts: list[Any]) -> None:
+    """Write ``parts``, each padded to :data:`ALIGN`, with as few system calls as the
+    kernel allows (one ``writev`` as a rule)."""
+    iov: list[memoryview] = []
+    for part in parts:
+        view = memoryview(part).cast("B")
+        iov.append(view)
+        if _aligned(view.nbytes) > view.nbytes:
+            iov.append(memoryview(bytes(_aligned(view.nbytes) - view.nbytes)))
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        while iov:
+            n = os.writev(fd, iov[:1024])  # IOV_MAX
+            while iov and n >= iov[0].nbytes:
+                n -= iov.pop(0).nbytes
+            if n:
+                iov[0] = iov[0][n:]
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise
+    os.close(fd)
+
+
+def _remove_written() -> None:
+    for path in list(_written):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+# ---------------------------------------------------------------------- consumer: arrival
+def _outcome(ok: bool, obj: Any) -> Outcome:
+    if ok:
+        return Outcome(True, obj)
+    exc, tb = obj
+    exc.__cause__ = RemoteTraceback(tb)
+    return Outcome(False, exc)
+
+
+def _unpack_inline(ok: bool, data: bytes) -> Outcome:
+    try:
+        return _outcome(ok, pickle.loads(data))
+    except BaseException as exc:
+        return _unreadable(exc, "")
+
+
+def _unreadable(exc: BaseException, where: str) -> Outcome:
+    _note(exc, f"aioloader: raised while unpickling a task's result{where} in the consumer")
+    return Outcome(False, exc)
+
+
+def _unpack_spilled(ok: bool, path: str, pid: int) -> Outcome:
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as exc:
+        return Outcome(False, SharedMemoryError(f"the result worker pid {pid} left in {path} is gone: {exc}"))
+    try:
+        os.unlink(path)
+        data = np.empty(os.fstat(fd).st_size, dtype=np.uint8)
+        view = data.data
+        done = 0
+        while done < view.nbytes:
+            n = os.readv(fd, [view[done:]])
+            if n == 0:
+                raise EOFError(f"{path} ends after {done} of {view.nbytes} bytes")
+            done += n
+    except BaseException as exc:
+        return Outcome(False, SharedMemoryError(f"cannot read the result worker pid {pid} left in {path}: {exc}"))
+    finally:
+        os.close(fd)
+    try:
+        (count,) = struct.unpack_from("<q", view)
+        sizes = struct.unpack_from(f"<{count}q", view, 8)
+        parts = []
+        off = _aligned(8 * (count + 1))
+        for n in sizes:
+            parts.append(view[off : off + n])
+            off += _aligned(n)
+        return _outcome(ok, pickle.loads(parts[0], buffers=parts[1:]))
+    except BaseException as exc:
+        return _unreadable(exc, f" from worker pid {pid}")
+
+
+# ---------------------------------------------------------------------- consumer: sweeping
+def sweep_spills(dead: Iterable[int] = ()) -> int:
+    """Remove spill files nobody will read; returns how many.
+
+    This consumer's files written by a pid in ``dead`` go at once (their generation is
+    retired: nothing reads its replies any more), those of other dead workers once they
+    are a few seconds old. Other consumers' files go when both their processes are
+    gone, they belong to this user and are over a minute old."""
+    gone = set(dead)
+    removed = 0
+    for directory in dict.fromkeys(spill_dirs()):
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(directory):
+                with contextlib.suppress(OSError):
+                    if _stale(entry.name, entry.stat(follow_symlinks=False), gone):
+                        os.unlink(entry.path)
+                        removed += 1
+    return removed
+
+
+def _stale(name: str, st: os.stat_result, gone: set[int]) -> bool:
+    pids = _parse_name(name)
+    if pids is None or not name.split("_")[3].startswith(SPILL_TAG):
+        return False  # not ours, or a shared-memory slab (aioloader._shm's business)
+    consumer, worker = pids
+    age = time.time() - st.st_mtime
+    if consumer == os.getpid():
+        return worker in gone or (age >= SWEEP_GRACE_S and not _pid_alive(worker))
+    return (
+        st.st_uid == os.getuid() and age >= FOREIGN_GRACE_S and not (_pid_alive(consumer) or _pid_alive(worker))
+    )
