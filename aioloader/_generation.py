@@ -46,6 +46,7 @@ import threading
 import time
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass, field
+from multiprocessing import util as mp_util
 from multiprocessing.connection import wait as wait_ready
 from multiprocessing.context import BaseContext
 from typing import Any
@@ -98,6 +99,7 @@ class Generation:
             _byvalue.drop_fake_main_file()
         if method == "forkserver":
             _preload_forkserver(ctx)
+        _retire_at_child_exit()
         table = ctx.RawArray("q", Slots.WIDTH * n)
         args = (dict(payloads), table, _slot_lock(ctx), ctx.RawValue("i", 0), n, os.getpid())
         pex = cf.ProcessPoolExecutor(n, ctx, _worker.pool_initializer, args)
@@ -231,6 +233,21 @@ def _retire_all_at_exit() -> None:
 
 
 threading._register_atexit(_retire_all_at_exit)  # type: ignore[attr-defined]
+
+_exit_hook_pid = 0
+
+
+def _retire_at_child_exit() -> None:
+    """In a ``multiprocessing`` child, retire our pools before the child's exit joins
+    its children. When a child's target returns or raises, ``multiprocessing.util``'s
+    exit function joins every non-daemonic child it started (our workers included) before
+    any ``atexit`` or threading exit hook runs: without this, a child that still holds a
+    loader never exits. Its finalizers with an exit priority run before that join, so
+    one is registered in each process that creates a pool (a fork clears them)."""
+    global _exit_hook_pid
+    if _exit_hook_pid != os.getpid():
+        _exit_hook_pid = os.getpid()
+        mp_util.Finalize(None, _retire_all_at_exit, exitpriority=100)
 
 _preload_lock = threading.Lock()
 _slot_locks: dict[str, Any] = {}

@@ -373,5 +373,39 @@ def _child() -> None:
         os._exit(3)
 
 
+def _holds_a_loader(how: str) -> None:
+    from ._datasets import RangeDataset
+
+    loader = aioloader.DataLoader(RangeDataset(100), 2, num_workers=1)
+    it = iter(loader)
+    next(it)
+    if how == "raise":
+        raise RuntimeError("boom (expected)")
+    _kept.append(loader)  # still referenced when the interpreter exits
+
+
+_kept: list[Any] = []
+
+
+def child_exit_main() -> None:
+    """``python -m tests._pool_helpers child-exit``: multiprocessing children (each start
+    method) that hold a loader with a live worker when their target returns or raises;
+    prints each child's exit code, or "alive" if it is still running after 60 s."""
+    import multiprocessing as mp
+
+    out = {}
+    for method in ("spawn", "forkserver", "fork"):
+        for how in ("return", "raise"):
+            child = mp.get_context(method).Process(target=_holds_a_loader, args=(how,))
+            child.start()
+            child.join(60)
+            out[f"{method}-{how}"] = "alive" if child.is_alive() else child.exitcode
+            if child.is_alive():
+                child.kill()
+                child.join()
+    print(json.dumps(out), flush=True)
+
+
 if __name__ == "__main__":
-    {"mid-send": mid_send_main, "kill-on-write": kill_on_write_main, "fork-child": fork_child_main}[sys.argv[1]]()
+    {"mid-send": mid_send_main, "kill-on-write": kill_on_write_main, "fork-child": fork_child_main,
+     "child-exit": child_exit_main}[sys.argv[1]]()

@@ -326,6 +326,20 @@ def test_forked_child_of_a_forkserver_consumer_has_working_pools() -> None:
     assert result == {"child": 0, "parent_ok": True}, proc.stderr[-4000:]
 
 
+def test_a_multiprocessing_child_holding_a_loader_exits() -> None:
+    """Defect: multiprocessing's exit in a child joins its non-daemonic children (our
+    workers) before any exit hook of ours ran, so such a child never exited."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests._pool_helpers", "child-exit"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=200, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    codes = json.loads(proc.stdout.splitlines()[-1])
+    assert codes == {f"{m}-{h}": (0 if h == "return" else 1) for m in ("spawn", "forkserver", "fork")
+                     for h in ("return", "raise")}, proc.stderr[-4000:]
+
+
 # -------------------------------------------------------------------- house rules
 def test_only_the_generation_module_reads_executor_internals() -> None:
     names = ("_processes", "_executor_manager_thread", "_forkserver", "_threads_queues", "_global_shutdown",
