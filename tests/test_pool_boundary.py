@@ -343,7 +343,7 @@ def test_a_multiprocessing_child_holding_a_loader_exits() -> None:
 # -------------------------------------------------------------------- house rules
 def test_only_the_generation_module_reads_executor_internals() -> None:
     names = ("_processes", "_executor_manager_thread", "_forkserver", "_threads_queues", "_global_shutdown",
-             "_max_workers", "_register_atexit")
+             "_max_workers", "_register_atexit", "_launch_processes")
     pkg = Path(aioloader.__file__).resolve().parent
     for path in pkg.rglob("*.py"):
         if path.name == "_generation.py":
