@@ -394,12 +394,7 @@ def test_every_error_class_pickles() -> None:
 
 
 # ----------------------------------------------------------------------------- no leaks
-@pytest.mark.skipif(
-    sys.version_info[:2] == (3, 12),
-    reason="on CPython 3.12.1 the resource tracker can raise ReentrantCallError when the garbage "
-    "collector finalizes an executor's multiprocessing lock mid-call (intermittent), and keeps "
-    "descriptors; known debt, see the closing note",
-)
+@pytest.mark.slow  # about 100 s: the whole suite runs it, the other Pythons' subsets do not
 def test_two_hundred_lifecycles_leak_nothing(tmp_path: Path) -> None:
     fds0 = len(os.listdir("/proc/self/fd"))
     threads0 = threading.active_count()
