@@ -1,5 +1,5 @@
-"""Per-sample randomness: every sample's random state is a pure function of what is
-loaded, ``(seed, epoch, index)`` and the batch it is loaded in, never of which worker ran it.
+"""Randomness inside a loader: a pure function of what is loaded (``(seed, epoch)`` and the
+batch's indices, or the sample's index), never of which worker loaded it.
 
 Three modes (the loader's ``seed_samples``):
 
