@@ -1,10 +1,19 @@
-"""Per-sample randomness: every sample's random state is a pure function of
-``(seed, epoch, index)``, never of which worker ran it.
+"""Randomness inside a loader: a pure function of what is loaded (``(seed, epoch)`` and the
+batch's indices, or the sample's index), never of which worker loaded it.
 
-Before each ``dataset[index]`` the loader calls :func:`seed_sample`, which seeds Python's
-``random``, numpy's global generator and, when torch is already imported, torch's
-generator. :func:`sample_rng` hands out a ``numpy.random.Generator`` seeded the same way,
-for code that prefers an explicit generator.
+Three modes (the loader's ``seed_samples``):
+
+- ``"batch"`` (the default): :func:`start_batch` seeds Python's ``random``, numpy's global
+  generator and, when torch is already imported, torch's generator once per batch, from a
+  64-bit key hashed over ``(seed, epoch)`` and the batch's indices in order; the samples of
+  the batch then draw from those streams one after the other.
+- ``"sample"`` (``True``): the same generators are seeded before every sample from
+  ``(seed, epoch, index)``, as :func:`seed_sample` does (the seeds of a whole batch are
+  hashed at once, with numpy).
+- ``False``: the global generators are left alone.
+
+In every mode :func:`sample_rng` hands out a ``numpy.random.Generator`` seeded from
+``(seed, epoch, index)`` alone, built only when it is called.
 
 This module runs inside workers and must stay free of asyncio.
 """
@@ -14,10 +23,18 @@ from __future__ import annotations
 import random
 import sys
 import threading
+from collections.abc import Callable
+from typing import Any, Literal
 
 import numpy as np
 
-__all__ = ["enter_sample", "sample_key", "sample_rng", "sample_seed", "seed_sample"]
+__all__ = [
+    "SeedMode", "batch_key", "enter_sample", "sample_key", "sample_rng", "sample_seed", "sample_seeds",
+    "seed_sample", "start_batch",
+]  # fmt: skip
+
+SeedMode = Literal["batch", "sample", False]
+"""How a loader seeds the global generators: once per batch, before every sample, or not."""
 
 
 class _Local(threading.local):
@@ -50,6 +67,111 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
     return _mix(_mix(_mix(seed & _M64) ^ (epoch & _M64)) ^ (index & _M64))
 
 
+_C0 = np.uint64(0x9E3779B97F4A7C15)
+_C1 = np.uint64(0xBF58476D1CE4E5B9)
+_C2 = np.uint64(0x94D049BB133111EB)
+_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
+
+
+def _mix_array(x: np.ndarray) -> np.ndarray:
+    """:func:`_mix` on a ``uint64`` array (array arithmetic wraps modulo 2**64, silently)."""
+    x = x + _C0
+    x = (x ^ (x >> _S30)) * _C1
+    x = (x ^ (x >> _S27)) * _C2
+    out: np.ndarray = x ^ (x >> _S31)
+    return out
+
+
+def _as_uint64(indices: Any) -> np.ndarray:
+    """A batch's indices (the loader's int64 bytes, an integer array or a sequence of
+    ints) as ``uint64``, each one taken modulo 2**64 as :func:`sample_seed` takes it."""
+    if isinstance(indices, (bytes, bytearray, memoryview)):
+        return np.frombuffer(indices, dtype=np.uint64)
+    arr = np.asarray(indices)
+    if arr.dtype.kind in "iu":
+        return arr.astype(np.uint64, copy=False)  # int64 -> uint64 wraps, as ``& _M64`` does
+    # Python ints beyond int64, or an empty list (which numpy reads as float64).
+    return np.array([int(i) & _M64 for i in indices], dtype=np.uint64)
+
+
+def sample_seeds(seed: int, epoch: int, indices: Any) -> np.ndarray:
+    """:func:`sample_seed` of every index of a batch at once: a ``uint64`` array."""
+    base = np.uint64(_mix(_mix(seed & _M64) ^ (epoch & _M64)))
+    return _mix_array(_as_uint64(indices) ^ base)
+
+
+_powers = np.ones(0, dtype=np.uint64)
+
+
+def _odd_powers(n: int) -> np.ndarray:
+    """``K**0, K**1, ..., K**(n-1)`` modulo 2**64 for an odd ``K`` (cached, grown on demand)."""
+    global _powers
+    if len(_powers) < n:
+        size = max(n, 2 * len(_powers), 256)
+        steps = np.full(size, _C0, dtype=np.uint64)
+        steps[0] = 1
+        _powers = np.cumprod(steps, dtype=np.uint64)
+    return _powers[:n]
+
+
+def batch_key(seed: int, epoch: int, indices: Any) -> int:
+    """The 64-bit key a batch seeds the global generators from in ``"batch"`` mode: a
+    pure function of ``(seed, epoch)`` and the batch's indices *in order* (a polynomial
+    hash of their sample seeds, then mixed), so never of the worker, the batch's position
+    in the epoch, the shard or the order batches are delivered in."""
+    seeds = sample_seeds(seed, epoch, indices)
+    n = len(seeds)
+    folded = int(np.dot(seeds, _odd_powers(n))) if n else 0
+    return _mix(folded ^ _mix((n + 0xBA7C) & _M64))
+
+
+def _torch_generator() -> Any:
+    torch = sys.modules.get("torch")
+    return None if torch is None else getattr(torch, "default_generator", None)
+
+
+def _seed_globals(s64: int, gen: Any) -> None:
+    random.seed(s64)
+    np.random.seed(s64 & 0xFFFF_FFFF)
+    if gen is not None:
+        gen.manual_seed(s64 >> 1)
+
+
+def start_batch(mode: SeedMode, seed: int, epoch: int, indices: Any) -> Callable[[int, int], None]:
+    """Prepare the seeding of one batch and return the hook to call before its ``k``-th
+    sample, index ``i``: ``hook(k, i)``. ``indices`` are the batch's, in order.
+
+    ``"batch"`` seeds ``random``, numpy's global generator (with all 64 bits of
+    :func:`batch_key`) and torch's generator here, once; the hook only points
+    :func:`sample_rng` at the sample. ``"sample"`` hashes the batch's seeds here and the
+    hook seeds the generators exactly as :func:`seed_sample` would. ``False`` seeds
+    nothing. Call :func:`clear_sample` after the batch.
+    """
+    if mode == "sample":
+        seeds: list[int] = sample_seeds(seed, epoch, indices).tolist()
+        gen = _torch_generator()
+
+        def enter_and_seed(k: int, i: int) -> None:
+            _local.key = (seed, epoch, i)
+            _local.rng = None
+            _seed_globals(seeds[k], gen)
+
+        return enter_and_seed
+    if mode == "batch":
+        key = batch_key(seed, epoch, indices)
+        random.seed(key)
+        np.random.seed(np.array([key & 0xFFFF_FFFF, key >> 32], dtype=np.uint32))
+        gen = _torch_generator()
+        if gen is not None:
+            gen.manual_seed(key >> 1)
+
+    def enter(k: int, i: int) -> None:
+        _local.key = (seed, epoch, i)
+        _local.rng = None
+
+    return enter
+
+
 def worker_seed(seed: int, worker_id: int) -> int:
     """The seed ``torch.utils.data.get_worker_info().seed`` reports in worker
     ``worker_id``: a pure function of the loader's seed and the id. aioloader seeds per
@@ -59,22 +181,15 @@ def worker_seed(seed: int, worker_id: int) -> int:
 
 
 def seed_sample(seed: int, epoch: int, index: int) -> None:
-    """Seed ``random``, ``numpy.random`` and torch (if imported) for one sample.
+    """Seed ``random``, ``numpy.random`` and torch (if imported) for one sample, as the
+    ``"sample"`` mode does before each sample.
 
-    Kept cheap because it runs before every sample: a pure-Python hash, ``random.seed``
-    with an int, ``numpy.random.seed`` with a 32-bit int, and torch's CPU generator
-    directly (``torch.manual_seed`` also visits every accelerator backend and costs ~100x
-    more).
+    ``random.seed`` with the 64-bit :func:`sample_seed`, ``numpy.random.seed`` with its low
+    32 bits, and torch's CPU generator directly (``torch.manual_seed`` also visits every
+    accelerator backend and costs ~100x more).
     """
-    s64 = sample_seed(seed, epoch, index)
     enter_sample(seed, epoch, index)
-    random.seed(s64)
-    np.random.seed(s64 & 0xFFFF_FFFF)
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        gen = getattr(torch, "default_generator", None)
-        if gen is not None:
-            gen.manual_seed(s64 >> 1)
+    _seed_globals(sample_seed(seed, epoch, index), _torch_generator())
 
 
 def enter_sample(seed: int, epoch: int, index: int) -> None:

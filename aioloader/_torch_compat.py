@@ -15,8 +15,7 @@ from dataclasses import dataclass
 from multiprocessing.context import BaseContext
 from typing import Any
 
-from ._validate import resolve_context
-from ._validate import check_bool, check_int
+from ._validate import check_bool, check_int, resolve_context
 
 __all__ = ["PinningPass", "TorchArgs", "pin_tensors", "resolve_torch_args", "seed_from_generator"]
 

@@ -7,7 +7,7 @@ import multiprocessing as mp
 import sys
 from collections.abc import Iterable, Sequence
 from multiprocessing.context import BaseContext
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -18,6 +18,7 @@ __all__ = [
     "check_map_dataset",
     "check_sampling",
     "check_seconds",
+    "check_seed_samples",
     "check_shard",
     "check_unbatched",
 ]
@@ -36,6 +37,16 @@ def check_bool(name: str, value: Any) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
     return bool(value)
+
+
+def check_seed_samples(value: Any) -> Literal["batch", "sample", False]:
+    """``seed_samples`` normalised: ``"batch"``, ``"sample"`` (also spelt ``True``) or ``False``."""
+    if isinstance(value, str):
+        mode: Literal["batch", "sample"] = check_choice("seed_samples", value, ("batch", "sample"))
+        return mode
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"seed_samples must be 'batch', 'sample' or a bool, got {value!r} ({type(value).__name__})")
+    return "sample" if value else False
 
 
 def check_choice(name: str, value: Any, choices: Sequence[str]) -> Any:

@@ -86,7 +86,7 @@ class WorkerContext:
     collate_fn: Callable[[list[Any]], Any]
     worker_init_fn: Callable[[int], Any] | None = None
     on_error: Literal["raise", "skip"] = "raise"
-    seed_samples: bool = True
+    seed_samples: _seeding.SeedMode = "batch"
     encode: Callable[[Any], Any] | None = None
     fetch_batch: bool = False  # call dataset.__getitems__(indices) when the dataset has it
     unbatched: bool = False  # batch_size=None: collate_fn takes the one sample, not a list
@@ -339,11 +339,9 @@ def _build(ctx: WorkerContext, task: BatchTask) -> tuple[Any, tuple[tuple[int, s
     kept: list[int] = []
     skipped: list[tuple[int, str]] = []
     try:
+        enter = _seeding.start_batch(ctx.seed_samples, task.seed, task.epoch, raw)
         for k, i in enumerate(indices):
-            if ctx.seed_samples:
-                _seeding.seed_sample(task.seed, task.epoch, i)
-            else:
-                _seeding.enter_sample(task.seed, task.epoch, i)
+            enter(k, i)
             in_transform = False
             try:
                 sample = dataset[i] if values is None else values[k]

@@ -41,6 +41,7 @@ from ._validate import (
     check_map_dataset,
     check_sampling,
     check_seconds,
+    check_seed_samples,
     check_shard,
     check_unbatched,
 )
@@ -101,10 +102,13 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
             by the loader).
         prefetch_next_epoch: start building the next epoch's first batches while the
             current epoch's last ones are in flight (within the same ``prefetch`` bound).
-        seed_samples: seed ``random``/numpy/torch before every sample (see
-            :func:`~aioloader.sample_rng`). Threads of one process share those
-            generators, so on a thread executor seeded batches build one at a time;
-            ``False`` lets threads overlap (``sample_rng()`` stays seeded per sample).
+        seed_samples: how ``random``, numpy's and torch's global generators are seeded
+            (see :doc:`determinism`). ``"batch"`` (default): once per batch, from
+            ``(seed, epoch)`` and the batch's indices. ``"sample"`` (or ``True``): before
+            every sample, from ``(seed, epoch, index)``; a few µs a sample. ``False``: not
+            at all. :func:`~aioloader.sample_rng` is seeded per sample in every mode.
+            Threads of one process share the global generators, so on a thread executor
+            seeded batches build one at a time; ``False`` lets threads overlap.
         trace: write a Chrome trace-event file here when the loader closes (see
             :meth:`tracing` to trace a part of a run).
         prefetch_factor: torch's spelling of ``prefetch``, per worker: ``prefetch =
@@ -166,7 +170,7 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
         pool: WorkerPool | None = None,
         executor: cf.Executor | None = None,
         prefetch_next_epoch: bool = True,
-        seed_samples: bool = True,
+        seed_samples: bool | Literal["batch", "sample"] = "batch",
         trace: str | os.PathLike[str] | None = None,
         prefetch_factor: int | None = None,
         persistent_workers: bool = False,
@@ -197,7 +201,7 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
         )  # fmt: skip
         seed = torch_args.seed
         prefetch_next_epoch = check_bool("prefetch_next_epoch", prefetch_next_epoch)
-        seed_samples = check_bool("seed_samples", seed_samples)
+        seed_mode = check_seed_samples(seed_samples)
         last_batch = check_sampling(batch_size_given, shuffle, sampler, batch_sampler, last_batch, drop_last)
         for name, fn in (("collate_fn", collate_fn), ("worker_init_fn", worker_init_fn)):
             if fn is not None and not callable(fn):
@@ -235,7 +239,7 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
         self.shard = shard
         self.shard_policy: ShardPolicy = shard_policy
         self.prefetch_next_epoch = prefetch_next_epoch
-        self.seed_samples = seed_samples
+        self.seed_samples = seed_mode
         self.seed: int = seed if seed is not None else secrets.randbits(63)
         self._setup(
             num_workers=num_workers, mp_context=torch_args.mp_context, pool=pool, executor=executor,
@@ -314,7 +318,9 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
         if parked.successor is not cur or parked.run.loop is not loop or parked.run.closed:
             return False
         plan = parked.source.plans.get(cur.epoch)
-        return plan is None or plan.length == self._epoch_length(cur)
+        if plan is None:  # not started yet: the source starts it in begin(), if it still may
+            return parked.source.continues_into(cur.epoch)
+        return plan.length == self._epoch_length(cur)
 
     @property
     def epoch(self) -> int:

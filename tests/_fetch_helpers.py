@@ -88,7 +88,7 @@ class LocalFiles:
 
 
 def decode(raw: tuple[bytes, int]) -> tuple[np.ndarray, int]:
-    """Bytes to floats, plus per-sample randomness (seeded by the loader per sample)."""
+    """Bytes to floats, plus randomness from the global generator (which the loader seeds)."""
     data, label = raw
     arr = np.frombuffer(data, dtype=np.uint8).astype(np.float32)
     arr[0] += np.random.rand()

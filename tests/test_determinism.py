@@ -321,6 +321,22 @@ def test_resume_async_face() -> None:
     assert full == resumed
 
 
+def test_async_epochs_back_to_back_in_the_loader_thread() -> None:
+    """num_workers=0, next-epoch prefetch on: an ``async for`` that begins the next epoch
+    before the run asked for its first unit used to fail with ``KeyError: 1``."""
+
+    async def main() -> list[list[list[int]]]:
+        async with aioloader.DataLoader(RangeDataset(30), 4, shuffle=True, seed=3) as loader:
+            out = []
+            for _ in range(3):
+                out.append([b[1].tolist() async for b in loader])
+            return out
+
+    with aioloader.DataLoader(RangeDataset(30), 4, shuffle=True, seed=3) as loader:
+        want = [[b[1].tolist() for b in ep] for ep in epochs(loader, 3)]
+    assert asyncio.run(main()) == want
+
+
 # ------------------------------------------------------------------------------- sharding
 @settings(max_examples=60, deadline=None)
 @given(

@@ -157,6 +157,10 @@ class EpochSource:
         for e in [e for e in self.plans if e < epoch]:
             del self.plans[e]
         self._advanced.set()
+        if epoch not in self.plans:
+            # The previous epoch's units are all taken but the run has not asked for the
+            # next unit yet (one event loop, no gap for it to run): start the epoch here.
+            self._follow_on()
         return self.plans[epoch]
 
     def continues_into(self, epoch: int) -> bool:
@@ -171,12 +175,16 @@ class EpochSource:
             while self.follow is not None and self._plan.epoch > self.consumed_epoch:
                 self._advanced.clear()  # one epoch ahead at most: wait for a consumer
                 await self._advanced.wait()
-            follow = self.follow
-            if follow is None:
+            if self.follow is None:
                 return None
-            plan = follow(self._plan.epoch + 1, self._plan.carry_out)
-            self.plans[plan.epoch] = self._plan = plan
-            self._positions = iter(range(len(plan)))
+            self._follow_on()
+
+    def _follow_on(self) -> None:
+        """Go on into the epoch after the current plan's (``follow`` must be set)."""
+        assert self.follow is not None
+        plan = self.follow(self._plan.epoch + 1, self._plan.carry_out)
+        self.plans[plan.epoch] = self._plan = plan
+        self._positions = iter(range(len(plan)))
 
     async def aclose(self) -> None:
         self.follow = None

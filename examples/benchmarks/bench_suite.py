@@ -62,8 +62,8 @@ TORCH_LOADERS = ("torch-persistent", "torch")
 # The other loaders users weigh: the best of these and torch's is "the best peer".
 PEERS = ("grain", "spdl", "spdl-threads")
 # The loaders each workload runs, in interleaving order. The tiny workload also runs
-# aioloader without per-sample seeding (on samples this cheap, the default
-# ``seed_samples=True`` is most of the workers' time); the epoch-boundary workload also runs
+# aioloader with ``seed_samples=False`` (what the default once-a-batch seeding of the global
+# generators costs on samples this cheap); the epoch-boundary workload also runs
 # it with ``prefetch_next_epoch=False``, to show what the next-epoch prefetch buys.
 WORKLOAD_LOADERS: dict[str, tuple[str, ...]] = {
     "jpeg": ("aioloader", "torch-persistent", "torch", "grain", "spdl", "bound"),
