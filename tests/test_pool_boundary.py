@@ -85,7 +85,7 @@ def test_small_outcomes_and_remote_replies_stay_inline(tmp_path: Path) -> None:
 
 def test_exceptions_travel_as_values_with_their_traceback(tmp_path: Path) -> None:
     err = KeyError("x" * 20000)  # a large exception is spilled like a large batch
-    err.add_note("aioloader: raised by dataset[3]")
+    aioloader.errors.add_note(err, "aioloader: raised by dataset[3]")  # 3.10 has no add_note
     outcome = pickle.loads(pickle.dumps(_reply_of(err, (str(tmp_path),))))
     assert not list(tmp_path.iterdir())
     with pytest.raises(KeyError) as info:
