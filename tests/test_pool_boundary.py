@@ -315,29 +315,27 @@ def test_a_break_after_cancelled_batches_does_not_kill_the_manager_thread(
     assert not errors
 
 
-def test_forked_child_of_a_forkserver_consumer_has_working_pools() -> None:
+def _helper_script(mode: str, timeout: float) -> Any:
+    """Run ``python -m tests._pool_helpers MODE`` and return the JSON of its last line."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
     proc = subprocess.run(
-        [sys.executable, "-m", "tests._pool_helpers", "fork-child"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=False,
+        [sys.executable, "-m", "tests._pool_helpers", mode],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(proc.stdout.splitlines()[-1])
-    assert result == {"child": 0, "parent_ok": True}, proc.stderr[-4000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def test_forked_child_of_a_forkserver_consumer_has_working_pools() -> None:
+    assert _helper_script("fork-child", 120) == {"child": 0, "parent_ok": True}
 
 
 def test_a_multiprocessing_child_holding_a_loader_exits() -> None:
     """Defect: multiprocessing's exit in a child joins its non-daemonic children (our
     workers) before any exit hook of ours ran, so such a child never exited."""
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests._pool_helpers", "child-exit"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=200, check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    codes = json.loads(proc.stdout.splitlines()[-1])
+    codes = _helper_script("child-exit", 200)
     assert codes == {f"{m}-{h}": (0 if h == "return" else 1) for m in ("spawn", "forkserver", "fork")
-                     for h in ("return", "raise")}, proc.stderr[-4000:]
+                     for h in ("return", "raise")}
 
 
 # -------------------------------------------------------------------- house rules

@@ -14,6 +14,7 @@ import asyncio
 import itertools
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from .. import _worker
@@ -26,6 +27,7 @@ __all__ = ["Dispatcher", "cancelling"]
 _task_ids = itertools.count(1)
 
 
+@dataclass(eq=False)
 class Dispatcher:
     """Runs tasks on a pool until they succeed, fail in user code, or exhaust retries.
 
@@ -34,23 +36,15 @@ class Dispatcher:
     builds a fresh one for every (re)submission.
     """
 
-    def __init__(
-        self,
-        pool: WorkerPool,
-        recorder: Recorder,
-        timeout: float | None,
-        max_retries: int,
-        is_closed: Callable[[], bool],
-    ) -> None:
-        self.pool = pool
-        self.recorder = recorder
-        self.timeout = timeout
-        self.max_retries = max_retries
-        self.is_closed = is_closed
-        self.stopping = False
-        self._running: dict[int, Job] = {}
-        self._timed_out: dict[int, str] = {}  # task id -> what the pool did about it
-        self._watchdog: asyncio.Task[None] | None = None
+    pool: WorkerPool
+    recorder: Recorder
+    timeout: float | None
+    max_retries: int
+    is_closed: Callable[[], bool]
+    stopping: bool = False
+    _running: dict[int, Job] = field(default_factory=dict)
+    _timed_out: dict[int, str] = field(default_factory=dict)  # task id -> what the pool did about it
+    _watchdog: asyncio.Task[None] | None = None
 
     def stop(self) -> list[asyncio.Task[None]]:
         """Mark the dispatcher as stopping; returns the watchdog task to cancel and await."""
