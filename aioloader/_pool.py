@@ -42,7 +42,7 @@ from ._slots import Slots
 from ._validate import default_mp_context, resolve_context
 from .errors import LoaderClosedError, PoolBrokenError
 
-__all__ = ["CrashInfo", "Generation", "Job", "Lost", "WorkerPool", "default_mp_context", "describe_exit"]
+__all__ = ["CrashInfo", "Generation", "Job", "Lost", "WorkerPool", "concurrency_of", "default_mp_context", "describe_exit"]
 
 PoolKind = Literal["process", "thread", "external"]
 MAX_START_FAILURES = 3

@@ -96,7 +96,12 @@ def resolve_torch_args(
 ) -> TorchArgs:
     """Fold torch's keywords into aioloader's; a ValueError names both parameters of a
     conflicting pair, and a bad value raises an error naming its parameter."""
-    check_bool("persistent_workers", persistent_workers)  # workers always persist
+    if check_bool("persistent_workers", persistent_workers) and check_int("num_workers", num_workers, 0) == 0:
+        # torch refuses it too; accepting it would hide a setting that does nothing here
+        raise ValueError(
+            "persistent_workers=True needs num_workers > 0 (as in torch); aioloader's workers "
+            "persist anyway, so it can simply be left out"
+        )
     if prefetch_factor is not None:
         if prefetch is not None:
             raise ValueError("pass prefetch or prefetch_factor, not both (prefetch = prefetch_factor * num_workers)")

@@ -30,7 +30,7 @@ from ._engine.resume import Resumable
 from ._engine.run import Run, RunConfig
 from ._facade import IterableLoader, Lifecycle, Pass
 from ._plan.sampler import BatchPlanner, EpochPlan, LastBatch, ShardPolicy, dataset_length
-from ._pool import WorkerPool
+from ._pool import WorkerPool, concurrency_of
 from ._torch_compat import PinningPass, resolve_torch_args
 from ._transport import TransportKind
 from ._types import Batch, BatchSampler, CollateFn, MapDataset, Sampler
@@ -194,7 +194,7 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
         batch_size = 1 if batch_size is None else check_int("batch_size", batch_size, 1)
         shuffle = check_bool("shuffle", shuffle)
         torch_args = resolve_torch_args(
-            num_workers=num_workers, prefetch=prefetch, prefetch_factor=prefetch_factor,
+            num_workers=_workers_of(num_workers, pool, executor), prefetch=prefetch, prefetch_factor=prefetch_factor,
             ordered=ordered, in_order=in_order, seed=seed, generator=generator,
             mp_context=mp_context, multiprocessing_context=multiprocessing_context,
             persistent_workers=persistent_workers, pin_memory=pin_memory, pin_memory_device=pin_memory_device,
@@ -430,3 +430,13 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
 def _plan_ahead(planner: BatchPlanner, dataset: Any, epoch: int, carry: np.ndarray) -> EpochPlan:
     # The next epoch built ahead of time; _begin discards it if the length changed meanwhile.
     return planner.plan(epoch, carry, dataset_length(dataset))
+
+
+def _workers_of(num_workers: Any, pool: WorkerPool | None, executor: Any) -> Any:
+    """The worker count torch's keywords are checked against: a shared pool's or a
+    borrowed executor's, when one is given (``num_workers`` is ignored then)."""
+    if pool is not None:
+        return pool.concurrency if pool.kind != "thread" else 0
+    if isinstance(executor, cf.Executor):
+        return concurrency_of(executor)
+    return num_workers

@@ -51,6 +51,17 @@ def test_persistent_workers_is_accepted_and_workers_persist(collect, persistent:
     assert first == second and len(first) == 1  # the same worker process, epoch after epoch
 
 
+def test_persistent_workers_without_workers_is_refused_as_in_torch() -> None:
+    with pytest.raises(ValueError, match="persistent_workers=True needs num_workers > 0"):
+        aioloader.DataLoader(RangeDataset(4), 2, num_workers=0, persistent_workers=True)
+    aioloader.DataLoader(RangeDataset(4), 2, num_workers=0, persistent_workers=False).close()
+    # a shared pool's workers are what count (num_workers is ignored with pool=)
+    with aioloader.WorkerPool(1) as pool:
+        loader = aioloader.DataLoader(RangeDataset(4), 2, pool=pool, persistent_workers=True, prefetch_factor=3)
+        assert loader.prefetch == 3
+        loader.close()
+
+
 def test_persistent_workers_must_be_a_bool() -> None:
     with pytest.raises(TypeError, match="persistent_workers"):
         aioloader.DataLoader(RangeDataset(4), persistent_workers="yes")
