@@ -13,7 +13,15 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-__all__ = ["HttpFetch", "RawHttpFetch", "TorchHttpJpegs", "decode_train", "jpeg_items"]
+__all__ = [
+    "HttpFetch",
+    "RawHttpFetch",
+    "S3Fetch",
+    "TorchHttpJpegs",
+    "TorchS3Jpegs",
+    "decode_train",
+    "jpeg_items",
+]
 
 _TRANSFORM: Any = None
 
@@ -153,3 +161,39 @@ class TorchHttpJpegs:
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_conn": None, "_pid": -1}
+
+
+def _key(path: str) -> str:
+    return path.lstrip("/")
+
+
+class S3Fetch:
+    """``await fetch((path, label))`` -> ``(bytes, label)`` from an S3 bucket, through
+    :class:`aioloader.io.ObjectStore` (obstore) on the loader's event loop."""
+
+    def __init__(self, url: str, options: dict[str, Any]) -> None:
+        from aioloader.io import ObjectStore
+
+        self.store = ObjectStore(url, **options)
+
+    async def __call__(self, item: tuple[str, int]) -> tuple[bytes, int]:
+        path, label = item
+        return await self.store.get(_key(path)), label
+
+
+class TorchS3Jpegs:
+    """Map-style, for torch's DataLoader: a blocking S3 GET per sample (obstore's sync
+    call, in the worker), then ``decode_train``."""
+
+    def __init__(self, url: str, options: dict[str, Any], items: list[tuple[str, int]]) -> None:
+        from aioloader.io import ObjectStore
+
+        self.store = ObjectStore(url, **options)
+        self.items = items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> tuple[Any, int]:
+        path, label = self.items[index]
+        return decode_train((self.store.get_sync(_key(path)), label))

@@ -65,10 +65,16 @@ def _make_loader(spec: dict[str, Any]) -> Any:
     import _remote_datasets as rd
 
     kind, bs = spec["contender"], spec["batch_size"]
+    s3 = spec.get("s3")
     if kind in TORCH_WORKERS:
         import torch.utils.data as tud
 
-        ds = rd.TorchHttpJpegs("127.0.0.1", spec["port"], rd.jpeg_items(spec["root"]), spec["latency_ms"])
+        items = rd.jpeg_items(spec["root"])
+        ds: Any = (
+            rd.TorchS3Jpegs(s3["url"], s3["options"], items)
+            if s3
+            else rd.TorchHttpJpegs("127.0.0.1", spec["port"], items, spec["latency_ms"])
+        )
         return tud.DataLoader(
             ds, batch_size=bs, shuffle=True, num_workers=TORCH_WORKERS[kind], persistent_workers=True
         )
@@ -80,8 +86,11 @@ def _make_loader(spec: dict[str, Any]) -> Any:
         return aioloader.DataLoader(
             bd.jpeg_dataset(spec["root"]), bs, shuffle=True, num_workers=AIO_WORKERS, seed=0
         )
-    client = rd.RawHttpFetch if kind == "aioloader-fetch-raw" else rd.HttpFetch
-    fetch = client(f"http://127.0.0.1:{spec['port']}", spec["latency_ms"])
+    if s3:
+        fetch: Any = rd.S3Fetch(s3["url"], s3["options"])
+    else:
+        client = rd.RawHttpFetch if kind == "aioloader-fetch-raw" else rd.HttpFetch
+        fetch = client(f"http://127.0.0.1:{spec['port']}", spec["latency_ms"])
     return aioloader.DataLoader(
         rd.jpeg_items(spec["root"]), bs, shuffle=True, num_workers=AIO_WORKERS, seed=0,
         fetch=fetch, transform=rd.decode_train, io_concurrency=spec["io_concurrency"],
@@ -257,6 +266,58 @@ class Server:
         self.proc.stdout.close()
 
 
+class S3Store:
+    """moto's S3 server (the test suite's ``tests/_s3_server.py``) in a process of its
+    own, holding the JPEGs under their ``ImageFolder`` paths; no latency is added."""
+
+    BUCKET = "bench"
+
+    def __init__(self, root: Path) -> None:
+        import urllib.request
+
+        script = HERE.parents[1] / "tests" / "_s3_server.py"
+        self.proc = subprocess.Popen(
+            [sys.executable, str(script)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,  # werkzeug logs every request
+            text=True,
+        )
+        assert self.proc.stdout is not None
+        word, _, port = self.proc.stdout.readline().partition(" ")
+        if word != "PORT":
+            self.stop()
+            raise RuntimeError("moto's S3 server did not start (pip install 'moto[server]')")
+        endpoint = f"http://127.0.0.1:{int(port)}"
+        urllib.request.urlopen(
+            urllib.request.Request(f"{endpoint}/{self.BUCKET}", method="PUT"), timeout=30
+        ).close()
+        self.options = {
+            "endpoint": endpoint, "region": "us-east-1", "access_key_id": "bench", "secret_access_key": "bench",
+            "virtual_hosted_style_request": False, "allow_http": True,
+        }  # fmt: skip
+        self.url = f"s3://{self.BUCKET}"
+        import _remote_datasets as rd
+        import obstore
+
+        from aioloader.io import ObjectStore
+
+        client = ObjectStore(self.url, **self.options).client
+        for path, _label in rd.jpeg_items(str(root)):
+            obstore.put(client, path.lstrip("/"), (root / path.lstrip("/")).read_bytes())
+        self.port = int(port)
+
+    def stop(self) -> None:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc.stdout.close()
+
+
 def summarize(raw: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
     """Medians per (contender, latency) cell."""
     rows: dict[str, dict[str, Any]] = {}
@@ -397,6 +458,13 @@ def main(argv: list[str] | None = None) -> int:
         "--server", choices=("raw", "aiohttp"), default="raw", help="HTTP server implementation"
     )
     parser.add_argument(
+        "--store",
+        choices=("http", "s3"),
+        default="http",
+        help="where the JPEGs are served from: the HTTP server (with --latency), or moto's S3 server "
+        "(no added latency; shown as 0 ms)",
+    )
+    parser.add_argument(
         "--io-buffer-mib",
         type=float,
         default=None,
@@ -423,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit(
             'torch is not installed: pip install -e ".[bench]" (pins torch==2.13.0), or leave out the torch contenders'
         )
-    latencies = [float(x) for x in args.latency.split(",") if x.strip()]
+    latencies = [float(x) for x in args.latency.split(",") if x.strip()] if args.store == "http" else [0.0]
     from aioloader._formats.synthetic import default_cache, make_synthetic_jpegs
 
     root = (args.cache or default_cache()) / f"bench-jpegs-{args.images}"
@@ -440,7 +508,9 @@ def main(argv: list[str] | None = None) -> int:
     ]
     raw: dict[str, list[dict[str, Any]]] = {cell(c, lat): [] for c, lat in cells}
     started = time.perf_counter()
-    server = Server(root, args.server)
+    server: Server | S3Store = Server(root, args.server) if args.store == "http" else S3Store(root)
+    if isinstance(server, S3Store):
+        base["s3"] = {"url": server.url, "options": server.options}
     try:
         for rep in range(args.repeat):
             order = cells[rep % len(cells) :] + cells[: rep % len(cells)]  # rotate: no cell always first
@@ -463,7 +533,8 @@ def main(argv: list[str] | None = None) -> int:
     results = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
-        "config": {**base, "images": args.images, "repeat": args.repeat, "latencies_ms": latencies, "server": args.server},
+        "config": {**base, "images": args.images, "repeat": args.repeat, "latencies_ms": latencies, "server": args.server,
+                   "store": args.store},
         "rows": rows, "ratios": rat, "raw": raw,
     }  # fmt: skip
     if args.json:
