@@ -1,5 +1,5 @@
 """examples/benchmarks/bench_remote.py, run for real at its smallest: 16 JPEGs over the
-benchmark's HTTP server, the aioloader contenders only (no torch), one repetition. The
+benchmark's HTTP server and on moto's S3 server, the aioloader contenders only (no torch), one repetition. The
 numbers are not checked, only that every cell ran, fetched over HTTP, and was written."""
 
 from __future__ import annotations
@@ -10,16 +10,22 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "examples" / "benchmarks" / "bench_remote.py"
 
 
-def test_bench_remote_smallest_run_writes_every_cell(tmp_path: Path) -> None:
+@pytest.mark.parametrize("store", ["http", "s3"])
+def test_bench_remote_smallest_run_writes_every_cell(tmp_path: Path, store: str) -> None:
+    if store == "s3":
+        pytest.importorskip("moto")
+        pytest.importorskip("obstore")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     out = tmp_path / "remote.json"
     cmd = [
-        sys.executable, str(BENCH), "--images", "16", "--repeat", "1", "--latency", "0",
+        sys.executable, str(BENCH), "--images", "16", "--repeat", "1", "--latency", "0", "--store", store,
         "--contenders", "aioloader-fetch,aioloader-local", "--batch-size", "4", "--max-seconds", "1",
         "--cache", str(tmp_path), "--json", str(out),
     ]  # fmt: skip
@@ -30,7 +36,8 @@ def test_bench_remote_smallest_run_writes_every_cell(tmp_path: Path) -> None:
     assert set(rows) == {"aioloader-fetch@0ms", "aioloader-local"}
     fetch = rows["aioloader-fetch@0ms"]
     assert fetch["images_per_s"] > 0 and fetch["peak_pss_mb"] > 0
-    assert fetch["fetch_peak_in_flight"] >= 1  # the bytes really came over HTTP
+    assert fetch["fetch_peak_in_flight"] >= 1  # the bytes really came over HTTP (or S3)
+    assert results["config"]["store"] == store
     assert fetch["processes"] >= 3  # the main process and its 2 workers were sampled
     assert set(results["ratios"]["aioloader-fetch@0ms"]) == {"vs_local"}
     assert "| aioloader-fetch | 0 ms |" in proc.stdout
