@@ -32,6 +32,7 @@ from multiprocessing.context import BaseContext
 from typing import Any, ClassVar, Protocol, TypeVar
 
 from . import _worker
+from ._cpus import available_cpus
 from ._engine.run import Run, closed_while_iterating
 from ._payload import pickle_for_workers
 from ._pool import WorkerPool
@@ -116,8 +117,13 @@ class LoaderBase:
         trace: str | os.PathLike[str] | None,
     ) -> None:
         """Validate the pool arguments and set up everything the lifecycle needs."""
+        settings: list[str] = []
+        if isinstance(num_workers, str) and num_workers == "auto":
+            num_workers, why = available_cpus()
+            settings.append(f"num_workers='auto' chose {num_workers}: {why}")
         num_workers = check_int("num_workers", num_workers, 0)
-        if prefetch is not None:
+        auto_prefetch = isinstance(prefetch, str) and prefetch == "auto"
+        if prefetch is not None and not auto_prefetch:
             prefetch = check_int("prefetch", prefetch, 1)
         check_choice("transport", transport, ("auto", "shm", "pickle"))
         if pool is not None and not isinstance(pool, WorkerPool):
@@ -136,14 +142,18 @@ class LoaderBase:
         else:
             self._pool, owns_pool = WorkerPool(num_workers, mp_context=mp_context), True
         self.num_workers: int = num_workers
-        self.prefetch: int = prefetch if prefetch is not None else max(2, 2 * self._pool.concurrency)
+        if prefetch is None or auto_prefetch:
+            prefetch = max(2, 2 * self._pool.concurrency)
+        if auto_prefetch:
+            settings.append(f"prefetch='auto' chose {prefetch}: two batches per worker of the pool, at least 2")
+        self.prefetch: int = prefetch
         self._transport: Transport = make_transport(transport, pool_kind=self._pool.kind, prefetch=self.prefetch)
         self._token = uuid.uuid4().hex
         self._state = Lifecycle.NEW
         self._shared = Shared()
         self._lock = threading.RLock()
         self._runs: weakref.WeakSet[Run] = weakref.WeakSet()
-        self._recorder = Recorder()
+        self._recorder = Recorder(settings=tuple(settings))
         if trace is not None:
             self._recorder.tracer = Tracer(trace)
         self._portal_box: list[Portal | None] = [None]

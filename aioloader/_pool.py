@@ -37,6 +37,7 @@ from multiprocessing.context import BaseContext
 from typing import Any, Literal
 
 from . import _byvalue, _reply, _slots, _worker
+from ._cpus import available_cpus
 from ._generation import CrashInfo, Generation, concurrency_of, interpreter_exiting, live_boxes
 from ._slots import Slots
 from ._validate import default_mp_context, resolve_context
@@ -85,7 +86,8 @@ class WorkerPool:
     lazily on first use. ``num_workers=0`` gives one background thread in this process.
 
     Args:
-        num_workers: processes to run (default: ``os.cpu_count()``); ``0`` for a thread.
+        num_workers: processes to run (default: the CPUs this process may use, its affinity
+            mask and cgroup quota counted); ``0`` for a thread.
         mp_context: start method name or context; default ``forkserver`` (else ``spawn``).
         executor: use this ``concurrent.futures.Executor`` instead of creating one. It is
             never shut down or rebuilt by aioloader.
@@ -101,7 +103,7 @@ class WorkerPool:
         if executor is not None and not isinstance(executor, cf.Executor):
             raise TypeError(f"executor must be a concurrent.futures.Executor, got {executor!r}")
         if num_workers is None:
-            num_workers = os.cpu_count() or 1
+            num_workers = available_cpus()[0]
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
             raise ValueError(f"num_workers must be an int >= 0, got {num_workers!r}")
         self.kind: PoolKind = "external" if executor is not None else "process" if num_workers > 0 else "thread"

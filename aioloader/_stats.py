@@ -97,6 +97,8 @@ class LoaderStats:
     segment instead (mapped by every worker, not copied)."""
     payload_s: float = 0.0
     """Seconds the consumer spent pickling the worker context (and writing the segment)."""
+    settings: tuple[str, ...] = ()
+    """What ``num_workers="auto"`` and ``prefetch="auto"`` chose, and why (one line each)."""
 
     @property
     def batches_per_s(self) -> float | None:
@@ -128,6 +130,7 @@ class LoaderStats:
             f"  dataset to workers: {_mib(self.payload_bytes)} pickled, {_mib(self.shared_bytes)} shared, "
             f"in {self.payload_s * 1000:.0f} ms"
             + self._fetch_line()
+            + "".join(f"\n  {line}" for line in self.settings)
         )
 
     def _fetch_line(self) -> str:
@@ -195,6 +198,7 @@ class Recorder:
     epochs: deque[_Epoch] = field(default_factory=lambda: deque(maxlen=1_000))
     tracer: Tracer | None = None
     fetch: FetchCounters = field(default_factory=lambda: FetchCounters())
+    settings: tuple[str, ...] = ()
 
     def epoch_started(self, epoch: int) -> _Epoch:
         rec = _Epoch(epoch, time.monotonic_ns())
@@ -261,6 +265,7 @@ class Recorder:
             payload_bytes=self.payload_bytes,
             shared_bytes=self.shared_bytes,
             payload_s=self.payload_ns / 1e9,
+            settings=self.settings,
             **self._fetch_figures(),
         )
 

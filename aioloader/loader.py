@@ -77,9 +77,13 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
         drop_last: torch's spelling: ``True`` means ``last_batch="discard"``.
         collate_fn: turns a list of samples into a batch; default
             :func:`~aioloader.default_collate`.
-        num_workers: worker processes; ``0`` builds batches in one background thread.
+        num_workers: worker processes; ``0`` builds batches in one background thread;
+            ``"auto"``: as many as the CPUs this process may use (its affinity mask and
+            cgroup CPU quota, not ``os.cpu_count()``); ``stats().settings`` says what was
+            chosen and why.
         prefetch: most batches submitted, running or waiting for the consumer at once
-            (default ``2 * num_workers``, at least 2).
+            (default ``2 * num_workers``, at least 2; ``"auto"`` is the same rule for
+            now, reported in ``stats().settings``).
         timeout: seconds a batch may take from the moment a worker starts it; on expiry
             :class:`~aioloader.LoaderTimeout` is raised and the worker is killed. ``None``
             or ``0`` (torch's default) means no timeout.
@@ -154,8 +158,8 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
         last_batch: LastBatch = "keep",
         drop_last: bool | None = None,
         collate_fn: CollateFn | Callable[[list[Any]], Any] | None = None,
-        num_workers: int = 0,
-        prefetch: int | None = None,
+        num_workers: int | Literal["auto"] = 0,
+        prefetch: int | Literal["auto"] | None = None,
         timeout: float | None = None,
         worker_init_fn: Callable[[int], Any] | None = None,
         mp_context: str | BaseContext | None = None,

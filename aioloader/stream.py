@@ -65,7 +65,8 @@ class StreamLoader(IterableLoader, Generic[Batch]):
             ``collate_fn`` receives (for the default, a list of per-item results).
         collate_fn: turns the list of ``fn`` results into a batch, in the worker;
             default :func:`~aioloader.default_collate`.
-        num_workers: worker processes; ``0`` runs ``fn`` in one background thread.
+        num_workers: worker processes; ``0`` runs ``fn`` in one background thread;
+            ``"auto"``: as many as the CPUs this process may use (see ``DataLoader``).
         prefetch: micro-batches open at once: being assembled, submitted, running, or
             done and waiting for the consumer (default ``2 * num_workers``, at least 2).
             At most ``prefetch * batch_size`` items are taken from the source and not
@@ -126,8 +127,8 @@ class StreamLoader(IterableLoader, Generic[Batch]):
         max_latency: float | None = None,
         batched_fn: bool = False,
         collate_fn: Callable[[Any], Any] | None = None,
-        num_workers: int = 0,
-        prefetch: int | None = None,
+        num_workers: int | Literal["auto"] = 0,
+        prefetch: int | Literal["auto"] | None = None,
         ordered: bool = True,
         on_error: Literal["raise", "skip"] = "raise",
         max_retries: int = 2,
