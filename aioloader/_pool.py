@@ -74,7 +74,13 @@ class Job:
     submit_ns: int
     future: cf.Future[Any] | None = None
     stopped: bool = False
-    wake: Callable[..., None] | None = None
+    waiter: asyncio.Future[None] | None = None  # what the awaiting task waits on
+    waker: _Waker | None = None
+
+    def wake(self, *_: object) -> None:
+        """Wake the task awaiting :meth:`WorkerPool.result` (from any thread)."""
+        if self.waker is not None and self.waiter is not None:
+            self.waker.wake(self.waiter)
 
 
 class WorkerPool:
@@ -252,15 +258,11 @@ class WorkerPool:
         if not job.stopped and job.future is not None:
             loop = asyncio.get_running_loop()
             waiter: asyncio.Future[None] = loop.create_future()
-
-            def wake(*_: object) -> None:
-                with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
-                    loop.call_soon_threadsafe(_settle, waiter)
-
-            job.wake = wake
-            job.future.add_done_callback(wake)
+            job.waiter = waiter
+            job.waker = _waker_for(loop)
+            job.future.add_done_callback(job.wake)
             if _stopped(job):  # stop() ran before it could wake us
-                wake()
+                job.wake()
             await waiter
         fut = job.future
         if job.stopped or fut is None or fut.cancelled() or not fut.done():
@@ -313,8 +315,7 @@ class WorkerPool:
         else:
             how = "the borrowed executor's task could not be stopped; it was abandoned"
         job.stopped = True
-        if job.wake is not None:
-            job.wake()
+        job.wake()
         return how
 
     def _drop(self, gen: Generation, crash: CrashInfo | None = None) -> None:
@@ -411,6 +412,55 @@ def _stopped(job: Job) -> bool:
     return job.stopped
 
 
-def _settle(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
+class _Waker:
+    """Wakes waiters of one event loop from other threads, a burst at a time.
+
+    The executor's manager thread settles results one after another; each used to cost
+    a ``call_soon_threadsafe`` (a write to the loop's wake-up pipe and a loop iteration).
+    Waiters settled while a wake-up is already pending join it instead."""
+
+    __slots__ = ("__weakref__", "_lock", "_loop", "_pending", "_scheduled")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = weakref.ref(loop)  # the table of wakers holds loops weakly
+        self._lock = threading.Lock()
+        self._pending: list[asyncio.Future[None]] = []
+        self._scheduled = False
+
+    def wake(self, waiter: asyncio.Future[None]) -> None:
+        with self._lock:
+            self._pending.append(waiter)
+            if self._scheduled:
+                return
+            self._scheduled = True
+        loop = self._loop()
+        try:
+            if loop is None:
+                raise RuntimeError("the loop is gone")
+            loop.call_soon_threadsafe(self._settle)
+        except RuntimeError:  # the loop is closed: nobody waits
+            with self._lock:
+                self._scheduled = False
+                self._pending.clear()
+
+    def _settle(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+            self._scheduled = False
+        for waiter in pending:
+            if not waiter.done():
+                waiter.set_result(None)
+
+
+_wakers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Waker] = weakref.WeakKeyDictionary()
+_wakers_lock = threading.Lock()
+
+
+def _waker_for(loop: asyncio.AbstractEventLoop) -> _Waker:
+    waker = _wakers.get(loop)
+    if waker is None:
+        with _wakers_lock:
+            waker = _wakers.get(loop)
+            if waker is None:
+                waker = _wakers[loop] = _Waker(loop)
+    return waker

@@ -190,12 +190,12 @@ class Run:
         try:
             if self.fetcher is not None:
                 return await self.fetcher.run(unit, lambda make_task: self._dispatch(unit, make_task))
-            return await self.dispatcher.run(unit.fn, unit.make_task, unit.indices, unit.label)
+            return await self.dispatcher.run(unit.fn, unit.make_task, unit)
         except (SystemExit, KeyboardInterrupt) as exc:
             return _Raised(exc)
 
     def _dispatch(self, unit: Unit, make_task: Callable[[int, bool], Any]) -> Any:
-        return self.dispatcher.run(unit.fn, make_task, unit.indices, unit.label)
+        return self.dispatcher.run(unit.fn, make_task, unit)
 
     # ------------------------------------------------------------------ consumer
     async def next(self, rec: _Epoch, group: int | None = None) -> Delivery:
