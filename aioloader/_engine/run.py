@@ -232,8 +232,9 @@ class Run:
             try:
                 # Shielded: a consumer cancelled while it waits must not cancel the unit
                 # itself (its dispatcher could not tell that from a pool event on 3.10);
-                # the run's own close cancels units, with the dispatcher told first.
-                res = await asyncio.shield(entry)
+                # the run's own close cancels units, with the dispatcher told first. A
+                # finished unit (the common case) is read without the shield's future.
+                res = entry.result() if entry.done() else await asyncio.shield(entry)
             except asyncio.CancelledError:
                 raise await self._cancelled() from None
             except Exception as exc:
