@@ -40,6 +40,7 @@ from . import _byvalue, _reply, _slots, _worker
 from ._generation import CrashInfo, Generation, concurrency_of, interpreter_exiting, live_boxes
 from ._slots import Slots
 from ._validate import default_mp_context, resolve_context
+from ._wake import Waker, waker_for
 from .errors import LoaderClosedError, PoolBrokenError
 
 __all__ = ["CrashInfo", "Generation", "Job", "Lost", "WorkerPool", "default_mp_context", "describe_exit"]
@@ -75,7 +76,7 @@ class Job:
     future: cf.Future[Any] | None = None
     stopped: bool = False
     waiter: asyncio.Future[None] | None = None  # what the awaiting task waits on
-    waker: _Waker | None = None
+    waker: Waker | None = None
 
     def wake(self, *_: object) -> None:
         """Wake the task awaiting :meth:`WorkerPool.result` (from any thread)."""
@@ -259,7 +260,7 @@ class WorkerPool:
             loop = asyncio.get_running_loop()
             waiter: asyncio.Future[None] = loop.create_future()
             job.waiter = waiter
-            job.waker = _waker_for(loop)
+            job.waker = waker_for(loop)
             job.future.add_done_callback(job.wake)
             if _stopped(job):  # stop() ran before it could wake us
                 job.wake()
@@ -410,57 +411,3 @@ class WorkerPool:
 
 def _stopped(job: Job) -> bool:
     return job.stopped
-
-
-class _Waker:
-    """Wakes waiters of one event loop from other threads, a burst at a time.
-
-    The executor's manager thread settles results one after another; each used to cost
-    a ``call_soon_threadsafe`` (a write to the loop's wake-up pipe and a loop iteration).
-    Waiters settled while a wake-up is already pending join it instead."""
-
-    __slots__ = ("__weakref__", "_lock", "_loop", "_pending", "_scheduled")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = weakref.ref(loop)  # the table of wakers holds loops weakly
-        self._lock = threading.Lock()
-        self._pending: list[asyncio.Future[None]] = []
-        self._scheduled = False
-
-    def wake(self, waiter: asyncio.Future[None]) -> None:
-        with self._lock:
-            self._pending.append(waiter)
-            if self._scheduled:
-                return
-            self._scheduled = True
-        loop = self._loop()
-        try:
-            if loop is None:
-                raise RuntimeError("the loop is gone")
-            loop.call_soon_threadsafe(self._settle)
-        except RuntimeError:  # the loop is closed: nobody waits
-            with self._lock:
-                self._scheduled = False
-                self._pending.clear()
-
-    def _settle(self) -> None:
-        with self._lock:
-            pending, self._pending = self._pending, []
-            self._scheduled = False
-        for waiter in pending:
-            if not waiter.done():
-                waiter.set_result(None)
-
-
-_wakers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Waker] = weakref.WeakKeyDictionary()
-_wakers_lock = threading.Lock()
-
-
-def _waker_for(loop: asyncio.AbstractEventLoop) -> _Waker:
-    waker = _wakers.get(loop)
-    if waker is None:
-        with _wakers_lock:
-            waker = _wakers.get(loop)
-            if waker is None:
-                waker = _wakers[loop] = _Waker(loop)
-    return waker
