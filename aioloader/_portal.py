@@ -1,6 +1,7 @@
 """Sync iteration over the async core: a private event loop in a background thread.
 
-``for batch in loader`` submits each ``__anext__`` to this loop and waits for it. The
+``for batch in loader`` submits each ``__anext__`` to this loop and waits for it: one
+``call_soon_threadsafe`` there, one lock released back (no concurrent future). The
 loop is uvloop's when uvloop is installed. Because the loop has a thread of its own,
 sync iteration works whether or not the calling thread already runs an event loop
 (Jupyter), and Ctrl-C in the calling thread interrupts the wait, not the loop.
