@@ -41,6 +41,7 @@ from ._cpus import available_cpus
 from ._generation import CrashInfo, Generation, concurrency_of, interpreter_exiting, live_boxes
 from ._slots import Slots
 from ._validate import default_mp_context, resolve_context
+from ._wake import Waker, waker_for
 from .errors import LoaderClosedError, PoolBrokenError
 
 __all__ = ["CrashInfo", "Generation", "Job", "Lost", "WorkerPool", "concurrency_of", "default_mp_context", "describe_exit"]
@@ -75,7 +76,13 @@ class Job:
     submit_ns: int
     future: cf.Future[Any] | None = None
     stopped: bool = False
-    wake: Callable[..., None] | None = None
+    waiter: asyncio.Future[None] | None = None  # what the awaiting task waits on
+    waker: Waker | None = None
+
+    def wake(self, *_: object) -> None:
+        """Wake the task awaiting :meth:`WorkerPool.result` (from any thread)."""
+        if self.waker is not None and self.waiter is not None:
+            self.waker.wake(self.waiter)
 
 
 class WorkerPool:
@@ -254,15 +261,11 @@ class WorkerPool:
         if not job.stopped and job.future is not None:
             loop = asyncio.get_running_loop()
             waiter: asyncio.Future[None] = loop.create_future()
-
-            def wake(*_: object) -> None:
-                with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
-                    loop.call_soon_threadsafe(_settle, waiter)
-
-            job.wake = wake
-            job.future.add_done_callback(wake)
+            job.waiter = waiter
+            job.waker = waker_for(loop)
+            job.future.add_done_callback(job.wake)
             if _stopped(job):  # stop() ran before it could wake us
-                wake()
+                job.wake()
             await waiter
         fut = job.future
         if job.stopped or fut is None or fut.cancelled() or not fut.done():
@@ -315,8 +318,7 @@ class WorkerPool:
         else:
             how = "the borrowed executor's task could not be stopped; it was abandoned"
         job.stopped = True
-        if job.wake is not None:
-            job.wake()
+        job.wake()
         return how
 
     def _drop(self, gen: Generation, crash: CrashInfo | None = None) -> None:
@@ -411,8 +413,3 @@ class WorkerPool:
 
 def _stopped(job: Job) -> bool:
     return job.stopped
-
-
-def _settle(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_result(None)

@@ -1,6 +1,7 @@
 """Sync iteration over the async core: a private event loop in a background thread.
 
-``for batch in loader`` submits each ``__anext__`` to this loop and waits for it. The
+``for batch in loader`` submits each ``__anext__`` to this loop and waits for it: one
+``call_soon_threadsafe`` there, one lock released back (no concurrent future). The
 loop is uvloop's when uvloop is installed. Because the loop has a thread of its own,
 sync iteration works whether or not the calling thread already runs an event loop
 (Jupyter), and Ctrl-C in the calling thread interrupts the wait, not the loop.
@@ -79,53 +80,43 @@ class Portal:
     def submit(self, coro: Coroutine[Any, Any, T]) -> cf.Future[T]:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
-    @staticmethod
-    async def _guard(coro: Coroutine[Any, Any, T], fatal: list[BaseException]) -> T | None:
-        # SystemExit or KeyboardInterrupt raised inside a task would stop the portal's
-        # loop (asyncio lets them through run_forever) and every later call would fail
-        # with "Event loop is closed": hand them to the caller's thread instead.
-        try:
-            return await coro
-        except (SystemExit, KeyboardInterrupt) as exc:
-            fatal.append(exc)
-            return None
-
     def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run ``coro`` on the portal's loop and wait for its result.
 
         If the wait is interrupted (Ctrl-C), the coroutine is cancelled before the
-        exception propagates.
+        exception propagates. A portal closed under the caller gives
+        :class:`~aioloader.LoaderClosedError`; ``timeout`` expired, ``cf.TimeoutError``.
         """
-        fatal: list[BaseException] = []
-        guarded = self._guard(coro, fatal)
+        # One lock as the hand-off, not run_coroutine_threadsafe's concurrent future (a
+        # Condition, a chained pair of futures and their callbacks): the sync face makes
+        # this call once per batch.
+        call = _Call(coro)
         try:
-            fut = self.submit(guarded)
-        except BaseException:  # the loop is closed: neither coroutine will ever run
-            _discard(guarded, coro)
+            self.loop.call_soon_threadsafe(call.start, self.loop)
+        except BaseException:  # the loop is closed: the coroutine will never run
+            coro.close()
             raise
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             # Wait in slices: a portal closed under us must not leave us waiting on a
-            # callback its loop dropped. (Not fut.result(timeout): its TimeoutError is
-            # the builtin one, which a LoaderTimeout raised by the coroutine also is.)
-            while not fut.done():
-                cf.wait([fut], timeout=0.25)
-                if not fut.done():
-                    if self._closed and not self._thread.is_alive():
-                        raise LoaderClosedError("the loader was closed while it was being iterated")
-                    if deadline is not None and time.monotonic() > deadline:
-                        raise cf.TimeoutError(f"no result within {timeout} s")
-            if fut.cancelled() and self._closed:
-                raise LoaderClosedError("the loader was closed while it was being iterated")
-            result = fut.result()
-            if fatal:
-                raise fatal[0]
-            return result  # type: ignore[return-value]
+            # callback its loop dropped. (Lock waits are interrupted by Ctrl-C.)
+            while not call.done.acquire(timeout=0.25):
+                if self._closed and not self._thread.is_alive():
+                    raise LoaderClosedError("the loader was closed while it was being iterated")
+                if deadline is not None and time.monotonic() > deadline:
+                    raise cf.TimeoutError(f"no result within {timeout} s")
         except BaseException:
-            fut.cancel()
-            if self._closed and not self._thread.is_alive():  # its loop dropped it unrun
-                _discard(guarded, coro)
+            self._abandon(call)
             raise
+        value: T = call.outcome(self._closed)
+        return value
+
+    def _abandon(self, call: _Call) -> None:
+        if self._closed and not self._thread.is_alive():  # its loop dropped it unrun
+            call.coro.close()
+            return
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(call.cancel)
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop the loop (cancelling what still runs on it) and join the thread."""
@@ -142,8 +133,51 @@ class Portal:
         self._thread.join(timeout)
 
 
-def _discard(*coros: Coroutine[Any, Any, Any]) -> None:
-    """Close coroutines that a dead loop will never run, so that none is reported as
-    "never awaited" (closing one that never started runs nothing)."""
-    for c in coros:
-        c.close()
+class _Call:
+    """One :meth:`Portal.call`: the coroutine, its outcome, and ``done``, a lock held
+    until the outcome is in."""
+
+    __slots__ = ("cancelled", "coro", "done", "error", "result", "task")
+
+    def __init__(self, coro: Coroutine[Any, Any, Any]) -> None:
+        self.coro = coro
+        self.done = threading.Lock()
+        self.done.acquire()
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.cancelled = False
+        self.task: asyncio.Task[None] | None = None
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:  # on the loop
+        if self.cancelled:  # the caller gave up before the loop got here
+            self.coro.close()
+            self.done.release()
+            return
+        self.task = loop.create_task(self._run())
+
+    def cancel(self) -> None:  # on the loop
+        self.cancelled = True
+        if self.task is not None:
+            self.task.cancel()
+
+    async def _run(self) -> None:
+        # Everything is caught: SystemExit or KeyboardInterrupt raised inside a task would
+        # stop the portal's loop (asyncio lets them through run_forever) and every later
+        # call would fail with "Event loop is closed"; the caller's thread raises them.
+        try:
+            self.result = await self.coro
+        except BaseException as exc:
+            self.error = exc
+            self.cancelled = self.cancelled or isinstance(exc, asyncio.CancelledError)
+        finally:
+            self.task = None
+            self.done.release()
+
+    def outcome(self, closed: bool) -> Any:
+        """The result, or raise the error (in the caller's thread)."""
+        error, self.error = self.error, None
+        if error is None:
+            return self.result
+        if isinstance(error, asyncio.CancelledError) and closed:
+            raise LoaderClosedError("the loader was closed while it was being iterated")
+        raise error

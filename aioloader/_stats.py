@@ -210,12 +210,14 @@ class Recorder:
         if self.first_submit_ns is None:
             self.first_submit_ns = now
 
-    def finished(self, pid: int, start_ns: int, end_ns: int, submit_ns: int, now: int, label: str = "") -> None:
+    def finished(self, pid: int, start_ns: int, end_ns: int, submit_ns: int, now: int, named: Any = None) -> None:
+        """One task done; ``named.label`` (read only when tracing) names it."""
         self.busy_ns += end_ns - start_ns
         self.workers_seen.add(pid)
         self.latencies.append(now - submit_ns)
         if self.tracer is not None:
-            self.tracer.span(label or "task", pid, "batches", start_ns, end_ns, {"latency_ms": (now - submit_ns) / 1e6})
+            label = getattr(named, "label", None) or "task"
+            self.tracer.span(label, pid, "batches", start_ns, end_ns, {"latency_ms": (now - submit_ns) / 1e6})
 
     def released(self) -> None:
         self.in_flight -= 1

@@ -15,16 +15,26 @@ import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from .. import _worker
 from .._pool import Job, Lost, WorkerPool, describe_exit
 from .._stats import Recorder
 from ..errors import LoaderClosedError, LoaderTimeout, WorkerCrashedError
 
-__all__ = ["Dispatcher", "cancelling"]
+__all__ = ["Dispatcher", "Named", "cancelling"]
 
 _task_ids = itertools.count(1)
+
+
+class Named(Protocol):
+    """What names a unit of work in errors (a unit is one)."""
+
+    @property
+    def label(self) -> str: ...
+
+    @property
+    def indices(self) -> Any: ...
 
 
 @dataclass(eq=False)
@@ -53,16 +63,12 @@ class Dispatcher:
         self._watchdog = None
         return [w] if w is not None and not w.done() else []
 
-    async def run(
-        self,
-        fn: Callable[[Any], Any],
-        make_task: Callable[[int, bool], Any],
-        indices: Any,
-        label: str,
-    ) -> Any:
+    async def run(self, fn: Callable[[Any], Any], make_task: Callable[[int, bool], Any], named: Named) -> Any:
         """Submit ``fn(make_task(task_id, with_payload))`` and return its result.
 
-        ``label`` names the work in error messages ("batch 3 of epoch 0").
+        ``named.label`` names the work in error messages ("batch 3 of epoch 0") and
+        ``named.indices`` its samples; both are read only when needed (this runs for
+        every batch).
         """
         loop = asyncio.get_running_loop()
         pool = self.pool
@@ -93,13 +99,13 @@ class Dispatcher:
                     raise LoaderClosedError("the loader was closed while this batch was pending") from None
                 info = await loop.run_in_executor(None, pool.recover, gen)
                 if task_id in self._timed_out:
-                    raise self._timeout_error(label, indices, self._timed_out[task_id]) from None
+                    raise self._timeout_error(named, self._timed_out[task_id]) from None
                 if task_id in info.charged:
                     attempts += 1
                     if attempts > self.max_retries:
-                        code = info.charged[task_id]
+                        code, indices = info.charged[task_id], named.indices
                         raise WorkerCrashedError(
-                            f"{label} (sample indices {_short(indices)}) was lost to a dying worker "
+                            f"{named.label} (sample indices {_short(indices)}) was lost to a dying worker "
                             f"{attempts} times (exit code {describe_exit(code)}); max_retries={self.max_retries}",
                             indices=_as_list(indices),
                             exitcode=code,
@@ -118,13 +124,13 @@ class Dispatcher:
                 with_payload = True
                 self.recorder.retries += 1
                 continue
-            self.recorder.finished(res.pid, res.start_ns, res.end_ns, submit_ns, time.monotonic_ns(), label)
+            self.recorder.finished(res.pid, res.start_ns, res.end_ns, submit_ns, time.monotonic_ns(), named)
             return res
 
-    def _timeout_error(self, label: str, indices: Any, how: str) -> LoaderTimeout:
-        t = self.timeout
+    def _timeout_error(self, named: Named, how: str) -> LoaderTimeout:
+        t, indices = self.timeout, named.indices
         return LoaderTimeout(
-            f"{label} (sample indices {_short(indices)}) was not delivered within timeout={t} s "
+            f"{named.label} (sample indices {_short(indices)}) was not delivered within timeout={t} s "
             f"of a worker starting it; {how}",
             indices=_as_list(indices),
             timeout=t,

@@ -190,12 +190,12 @@ class Run:
         try:
             if self.fetcher is not None:
                 return await self.fetcher.run(unit, lambda make_task: self._dispatch(unit, make_task))
-            return await self.dispatcher.run(unit.fn, unit.make_task, unit.indices, unit.label)
+            return await self.dispatcher.run(unit.fn, unit.make_task, unit)
         except (SystemExit, KeyboardInterrupt) as exc:
             return _Raised(exc)
 
     def _dispatch(self, unit: Unit, make_task: Callable[[int, bool], Any]) -> Any:
-        return self.dispatcher.run(unit.fn, make_task, unit.indices, unit.label)
+        return self.dispatcher.run(unit.fn, make_task, unit)
 
     # ------------------------------------------------------------------ consumer
     async def next(self, rec: _Epoch, group: int | None = None) -> Delivery:
@@ -232,8 +232,9 @@ class Run:
             try:
                 # Shielded: a consumer cancelled while it waits must not cancel the unit
                 # itself (its dispatcher could not tell that from a pool event on 3.10);
-                # the run's own close cancels units, with the dispatcher told first.
-                res = await asyncio.shield(entry)
+                # the run's own close cancels units, with the dispatcher told first. A
+                # finished unit (the common case) is read without the shield's future.
+                res = entry.result() if entry.done() else await asyncio.shield(entry)
             except asyncio.CancelledError:
                 raise await self._cancelled() from None
             except Exception as exc:

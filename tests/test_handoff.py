@@ -1,0 +1,164 @@
+"""The hand-offs between threads on the consumer's side: the portal's call (the sync face's
+round trip into its loop) and the pool's wake-ups of an event loop from the executor's thread."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import gc
+import threading
+import weakref
+from typing import Any
+
+import pytest
+
+import aioloader
+from aioloader import _wake
+from aioloader._portal import Portal
+
+from ._datasets import RangeDataset
+
+WAIT = 30.0  # seconds: bounds every wait on another thread, never a timing assertion
+
+
+# ------------------------------------------------------------------------ the pool's waker
+def test_waker_settles_a_burst_with_one_wake_up() -> None:
+    loop = asyncio.new_event_loop()
+    try:
+        calls: list[Any] = []
+        real = loop.call_soon_threadsafe
+
+        def counting(cb: Any, *args: Any) -> Any:
+            calls.append(cb)
+            return real(cb, *args)
+
+        loop.call_soon_threadsafe = counting  # type: ignore[method-assign,assignment]
+        waker = _wake.Waker(loop)
+        waiters = [loop.create_future() for _ in range(5)]
+        # The loop is not running: every wake after the first joins the pending one.
+        def wake_all() -> None:
+            for w in waiters:
+                waker.wake(w)
+
+        t = threading.Thread(target=wake_all)
+        t.start()
+        t.join(WAIT)
+        assert len(calls) == 1
+        loop.run_until_complete(asyncio.wait_for(asyncio.gather(*waiters), WAIT))
+        assert all(w.done() for w in waiters)
+        # Once settled, the next result schedules a wake-up of its own.
+        late = loop.create_future()
+        waker.wake(late)
+        loop.run_until_complete(asyncio.wait_for(late, WAIT))
+        assert len(calls) == 2
+    finally:
+        loop.close()
+
+
+def test_waker_of_a_closed_loop_is_quiet_and_loops_are_held_weakly() -> None:
+    loop = asyncio.new_event_loop()
+    waker = _wake.waker_for(loop)
+    assert _wake.waker_for(loop) is waker  # one per loop
+    waiter = loop.create_future()
+    loop.close()
+    waker.wake(waiter)  # nobody waits: no error, nothing pending
+    waker.wake(waiter)
+    ref = weakref.ref(loop)
+    del loop, waiter
+    gc.collect()
+    assert ref() is None
+
+
+def test_results_reach_both_faces_through_the_waker() -> None:
+    with aioloader.DataLoader(RangeDataset(40), 4, num_workers=2, seed=0) as loader:
+        assert [int(i) for b in loader for i in b[1]] == list(range(40))
+
+        async def consume() -> list[int]:
+            return [int(i) async for b in loader for i in b[1]]
+
+        assert asyncio.run(consume()) == list(range(40))
+
+
+# ---------------------------------------------------------------------- the portal's call
+@pytest.fixture
+def portal() -> Any:
+    p = Portal(name="aioloader-test-portal")
+    yield p
+    p.close()
+
+
+def test_call_returns_and_raises_in_the_caller(portal: Portal) -> None:
+    async def value() -> int:
+        return 7
+
+    async def fail() -> None:
+        raise KeyError("boom")
+
+    assert portal.call(value()) == 7
+    with pytest.raises(KeyError, match="boom"):
+        portal.call(fail())
+    assert portal.call(value()) == 7
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, SystemExit])
+def test_fatal_exceptions_reach_the_caller_and_spare_the_loop(portal: Portal, exc: type[BaseException]) -> None:
+    async def fatal() -> None:
+        raise exc
+
+    async def value() -> str:
+        return "alive"
+
+    with pytest.raises(exc):
+        portal.call(fatal())
+    assert portal.call(value()) == "alive"
+    assert portal.thread.is_alive()
+
+
+def test_timeout_cancels_the_coroutine(portal: Portal) -> None:
+    ended = threading.Event()
+
+    async def forever() -> None:
+        try:
+            await asyncio.Event().wait()
+        finally:
+            ended.set()
+
+    with pytest.raises(cf.TimeoutError):
+        portal.call(forever(), timeout=0.3)
+    assert ended.wait(WAIT)
+
+
+def test_portal_closed_under_a_waiting_caller(portal: Portal) -> None:
+    started = threading.Event()
+    seen: list[BaseException] = []
+
+    async def forever() -> None:
+        started.set()
+        await asyncio.Event().wait()
+
+    def caller() -> None:
+        try:
+            portal.call(forever())
+        except BaseException as exc:
+            seen.append(exc)
+
+    t = threading.Thread(target=caller)
+    t.start()
+    assert started.wait(WAIT)
+    portal.close()
+    t.join(WAIT)
+    assert not t.is_alive()
+    assert len(seen) == 1 and isinstance(seen[0], aioloader.LoaderClosedError)
+
+
+def test_no_task_is_left_behind_per_call(portal: Portal) -> None:
+    async def value(i: int) -> int:
+        return i
+
+    assert [portal.call(value(i)) for i in range(50)] == list(range(50))
+
+    async def pending() -> int:
+        me = asyncio.current_task()
+        return len([t for t in asyncio.all_tasks() if t is not me and not t.done()])
+
+    assert portal.call(pending()) == 0
