@@ -394,7 +394,7 @@ def test_every_error_class_pickles() -> None:
 
 
 # ----------------------------------------------------------------------------- no leaks
-@pytest.mark.slow  # about 100 s: the whole suite runs it, the other Pythons' subsets do not
+@pytest.mark.slow  # 25-100 s: the whole suite runs it, the other Pythons' subsets leave it out (CI time)
 @pytest.mark.timeout(360)  # 200 lifecycles: over the default 120 s on a loaded machine
 def test_two_hundred_lifecycles_leak_nothing(tmp_path: Path) -> None:
     fds0 = len(os.listdir("/proc/self/fd"))
