@@ -41,11 +41,13 @@ import concurrent.futures as cf
 import concurrent.futures.process  # its exit hook must be registered before ours: see below
 import concurrent.futures.thread  # noqa: F401
 import contextlib
+import gc
 import os
 import threading
 import time
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass, field
+from multiprocessing import resource_tracker as mp_tracker
 from multiprocessing import util as mp_util
 from multiprocessing.connection import wait as wait_ready
 from multiprocessing.context import BaseContext
@@ -100,9 +102,10 @@ class Generation:
         if method == "forkserver":
             _preload_forkserver(ctx)
         _retire_at_child_exit()
-        table = ctx.RawArray("q", Slots.WIDTH * n)
-        args = (dict(payloads), table, _slot_lock(ctx), ctx.RawValue("i", 0), n, os.getpid())
-        pex = cf.ProcessPoolExecutor(n, ctx, _worker.pool_initializer, args)
+        with tracker_safe():
+            table = ctx.RawArray("q", Slots.WIDTH * n)
+            args = (dict(payloads), table, _slot_lock(ctx), ctx.RawValue("i", 0), n, os.getpid())
+            pex = cf.ProcessPoolExecutor(n, ctx, _worker.pool_initializer, args)
         return cls(
             number, pex, _reply.origin(True), processes=pex._processes, slots=Slots(table), tokens=frozenset(payloads)
         )
@@ -112,7 +115,8 @@ class Generation:
         submit that finds no idle worker, and can stay short of its size."""
         launch = getattr(self.executor, "_launch_processes", None)
         if launch is not None and getattr(self.executor, "_executor_manager_thread", None) is None:
-            launch()
+            with tracker_safe():
+                launch()
 
     @classmethod
     def thread(cls, number: int) -> Generation:
@@ -192,6 +196,26 @@ class Generation:
         if manager is not None and manager is not threading.current_thread():
             manager.join(10.0)
         _reply.sweep_spills([p.pid for p in procs])
+
+
+@contextlib.contextmanager
+def tracker_safe() -> Iterator[None]:
+    """No cyclic garbage collection while a pool is created or its processes started.
+
+    Both call into multiprocessing's resource tracker (semaphores are registered, the
+    tracker's pipe is handed to new processes). A collection that runs inside such a
+    call and finalizes a retired executor's semaphore calls the tracker again from the
+    same thread: CPython 3.11.7+/3.12/3.13 then refuse with ``ReentrantCallError``
+    (reported as an unraisable exception, and the semaphore may leak). Collections
+    wait until the section ends."""
+    if not hasattr(mp_tracker, "ReentrantCallError") or not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 def concurrency_of(ex: cf.Executor) -> int:
