@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import io
 import itertools
 import os
@@ -190,10 +191,20 @@ def _remote(exc: BaseException, tb: str, why: str) -> RemoteError:
 
 
 def _dumps(obj: Any, buffers: list[pickle.PickleBuffer] | None) -> bytes:
+    """Pickle ``obj``; with ``buffers``, numpy buffers too large to be inline anyway go
+    out of band into it (smaller ones stay in the stream, so a small batch is pickled
+    once, and any out-of-band buffer means a spill)."""
     buf = io.BytesIO()
-    callback = None if buffers is None else buffers.append
+    callback = None if buffers is None else functools.partial(_out_of_band, buffers)
     ForkingPickler(buf, 5, True, callback).dump(obj)  # its __init__ takes positional arguments only
     return buf.getvalue()
+
+
+def _out_of_band(buffers: list[pickle.PickleBuffer], b: pickle.PickleBuffer) -> bool:
+    if b.raw().nbytes <= INLINE_MAX:
+        return True  # in band
+    buffers.append(b)
+    return False
 
 
 class _Inline:
@@ -233,6 +244,8 @@ def _pack(ok: bool, value: Any, dirs: tuple[str, ...], consumer: int) -> _Inline
         path = _spill(head, buffers, dirs, consumer)
         if path is not None:
             return _Spilled(ok, path)
+    # Out-of-band buffers come only with outcomes over INLINE_MAX: here they mean that no
+    # spill directory had room, and the outcome goes through the pipe as before.
     return _Inline(ok, _dumps(obj, None) if buffers else head)
 
 

@@ -63,6 +63,7 @@ async def test_cancelled_before_dispatch_never_reaches_a_worker() -> None:
         await _wait_entered()  # the only slot is busy: the next item waits in the queue
         doomed = asyncio.ensure_future(b.submit("doomed"))
         await asyncio.sleep(0)  # let it enter the queue (no timing: one loop turn)
+        assert b.stats().waiting == 1  # the turn was enough: it is queued, not yet dispatched
         doomed.cancel()
         with pytest.raises(asyncio.CancelledError):
             await doomed
@@ -109,6 +110,7 @@ async def test_higher_priority_is_dispatched_first_fifo_within() -> None:
         order = [("low-1", 0), ("high-1", 5), ("low-2", 0), ("high-2", 5), ("mid", 1)]
         tasks = [asyncio.ensure_future(b.submit(name, priority=p)) for name, p in order]
         await asyncio.sleep(0)  # all of them are queued behind the held call
+        assert b.stats().waiting == len(order)
         H.hold.set()
         await asyncio.gather(first, *tasks)
     assert H.calls == ["hold", "high-1", "high-2", "mid", "low-1", "low-2"]
@@ -121,6 +123,7 @@ async def test_admission_control_rejects_at_once_or_waits_with_block() -> None:
         await _wait_entered()
         queued = [asyncio.ensure_future(b.submit(i)) for i in (1, 2)]
         await asyncio.sleep(0)
+        assert b.stats().waiting == 2
         with pytest.raises(Overloaded, match="max_pending=2"):
             await b.submit(3)
         waiter = asyncio.ensure_future(b.submit(4, block=True))
