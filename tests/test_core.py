@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import os
+import threading
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +17,13 @@ import pytest
 import aioloader
 from aioloader._plan.sampler import epoch_permutation
 
-from ._datasets import PidDataset, RangeDataset, RecordingDataset, SlowDataset
+from ._datasets import PidDataset, RangeDataset, RecordingDataset
 from .conftest import descendant_workers, wait_until
 
 
-def reference_epochs(n: int, bs: int, shuffle: bool, last_batch: str, seed: int, epochs: int) -> list[list[list[int]]]:
+def reference_epochs(
+    n: int, bs: int, shuffle: bool, last_batch: str, seed: int, epochs: int
+) -> list[list[list[int]]]:
     """An independent, single-process statement of what each epoch must contain."""
     carry: list[int] = []
     out = []
@@ -55,8 +57,13 @@ def test_batches_match_reference(collect, num_workers, ordered, last_batch, shuf
     n, bs, seed = 23, 4, 7
     expected = reference_epochs(n, bs, shuffle, last_batch, seed, epochs=2)
     with aioloader.DataLoader(
-        RangeDataset(n), bs, shuffle=shuffle, last_batch=last_batch, num_workers=num_workers,
-        ordered=ordered, seed=seed,
+        RangeDataset(n),
+        bs,
+        shuffle=shuffle,
+        last_batch=last_batch,
+        num_workers=num_workers,
+        ordered=ordered,
+        seed=seed,
     ) as loader:
         for epoch in range(2):
             assert len(loader) == len(expected[epoch])
@@ -76,7 +83,9 @@ def test_batches_match_reference(collect, num_workers, ordered, last_batch, shuf
 @pytest.mark.parametrize("ordered", [True, False], ids=["ordered", "unordered"])
 def test_batch_sampler_matches_reference(collect, num_workers, ordered) -> None:
     plan = [[5, 1], [2, 2, 9], [0], [7, 8, 3, 4]]
-    with aioloader.DataLoader(RangeDataset(10), batch_sampler=plan, num_workers=num_workers, ordered=ordered) as loader:
+    with aioloader.DataLoader(
+        RangeDataset(10), batch_sampler=plan, num_workers=num_workers, ordered=ordered
+    ) as loader:
         got = collect(loader)
     if ordered:
         for batch, indices in zip(got, plan, strict=True):
@@ -197,7 +206,9 @@ def test_in_flight_bound_async(tmp_path: Path) -> None:
 
     async def main() -> list[int]:
         seen = []
-        async with aioloader.DataLoader(RecordingDataset(n, str(log)), bs, num_workers=2, prefetch=prefetch) as loader:
+        async with aioloader.DataLoader(
+            RecordingDataset(n, str(log)), bs, num_workers=2, prefetch=prefetch
+        ) as loader:
             agen = loader.__aiter__()
             total = n // bs
             for taken in range(1, total + 1):
@@ -215,61 +226,87 @@ def test_in_flight_bound_async(tmp_path: Path) -> None:
     assert seen == [min(t + prefetch, n // bs) for t in range(1, n // bs + 1)]
 
 
-def worst_heartbeat_delay(consume: Callable[[], Awaitable[int]]) -> tuple[float, int]:
-    """Run ``consume()`` beside a 10 ms heartbeat task; return the heartbeat's worst
-    lateness (seconds) and what ``consume`` returned."""
+class _Gate:
+    """Lets code that must run off the event loop's thread wait until the loop has turned
+    while it waited. Code that ran on the loop's thread would wait for ever (here: 20 s,
+    then it raises), because the loop could not turn: no timing is measured."""
 
-    async def main() -> tuple[float, int]:
-        worst = 0.0
-        stop = asyncio.Event()
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.opened = threading.Event()
 
-        async def heartbeat() -> None:
-            nonlocal worst
-            last = time.perf_counter()
-            while not stop.is_set():
-                await asyncio.sleep(0.010)
-                now = time.perf_counter()
-                worst = max(worst, now - last - 0.010)
-                last = now
+    def pass_through(self, where: str) -> None:
+        self.entered.set()
+        if not self.opened.wait(20):
+            raise AssertionError(
+                f"{where} ran on the event loop's thread: the loop never turned while it waited"
+            )
 
-        hb = asyncio.create_task(heartbeat())
+    async def open_when_entered(self) -> None:
+        while not self.entered.is_set():
+            await asyncio.sleep(0.001)  # polling an observable condition
+        self.opened.set()
+
+
+_GATES: dict[str, _Gate] = {}
+
+
+class GatedDataset(RangeDataset):
+    """Pickling it (the payload, in the consumer) and reading sample 0 in the consumer's
+    process (``num_workers=0``) pass through the gate named ``key``."""
+
+    def __init__(self, n: int, key: str) -> None:
+        super().__init__(n)
+        self.key = key
+
+    def __getstate__(self) -> dict[str, Any]:
+        gate = _GATES.get(self.key)
+        if gate is not None:
+            gate.pass_through("pickling the dataset")
+        return dict(self.__dict__)
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
+        gate = _GATES.get(self.key) if i == 0 else None
+        if gate is not None:
+            gate.pass_through("dataset[0]")
+        return super().__getitem__(i)
+
+
+def _consume_beside_gate(key: str, num_workers: int) -> int:
+    gate = _GATES[key] = _Gate()
+
+    async def main() -> int:
+        opener = asyncio.create_task(gate.open_when_entered())
+        count = 0
         try:
-            result = await consume()
+            async with aioloader.DataLoader(
+                GatedDataset(48, key), 8, num_workers=num_workers, seed=0
+            ) as loader:
+                for _ in range(2):
+                    async for _batch in loader:
+                        count += 1
         finally:
-            stop.set()
-            await hb
-        return worst, result
+            opener.cancel()
+        assert gate.opened.is_set()  # the gated step ran, and the loop turned meanwhile
+        return count
 
-    return asyncio.run(main())
+    try:
+        return asyncio.run(main())
+    finally:
+        del _GATES[key]
 
 
 def test_async_for_never_blocks_the_loop() -> None:
-    """A 10 ms heartbeat beside ``async for`` is never late by more than 50 ms."""
-
-    async def consume() -> int:
-        count = 0
-        async with aioloader.DataLoader(SlowDataset(96, 0.002), 8, num_workers=2, shuffle=True, seed=0) as loader:
-            for _ in range(2):
-                async for _batch in loader:
-                    count += 1
-        return count
-
-    worst, count = worst_heartbeat_delay(consume)
-    assert count == 24
-    assert worst < 0.050, f"heartbeat delayed by {worst * 1000:.1f} ms"
+    """The slow steps of the first iteration (pickling the dataset for the workers,
+    starting them) run off the caller's loop: it keeps turning while the dataset is
+    being pickled."""
+    assert _consume_beside_gate("workers", num_workers=2) == 12
 
 
 def test_zero_workers_async_runs_off_the_loop() -> None:
-    async def consume() -> int:
-        count = 0
-        async with aioloader.DataLoader(SlowDataset(40, 0.01), 10, num_workers=0) as loader:
-            async for _batch in loader:  # each batch is 100 ms of work in the thread
-                count += 1
-        return count
-
-    worst, count = worst_heartbeat_delay(consume)
-    assert count == 4
-    assert worst < 0.050, f"heartbeat delayed by {worst * 1000:.1f} ms"
+    """With ``num_workers=0`` the samples are read in the loader's thread, not on the
+    caller's loop."""
+    assert _consume_beside_gate("thread", num_workers=0) == 12
 
 
 def test_sync_iteration_inside_running_loop(collect) -> None:
@@ -395,6 +432,7 @@ def test_stats_count_batches_and_samples() -> None:
 
 def test_uvloop_and_asyncio_loops(collect) -> None:
     import uvloop
+
     with aioloader.DataLoader(RangeDataset(9), 3, num_workers=1) as loader:
 
         async def main() -> list[int]:
