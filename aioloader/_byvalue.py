@@ -85,7 +85,10 @@ def pickles_at_process_start(obj: object) -> None:
         def persistent_id(self, o: Any) -> None:
             # A lock made for fork has no name (3.10 would pickle it, and the worker
             # would crash using it; 3.11 and later refuse, with this message).
-            if isinstance(o, synchronize.SemLock) and getattr(getattr(o, "_semlock", None), "name", "") is None:
+            if (
+                isinstance(o, synchronize.SemLock)
+                and getattr(getattr(o, "_semlock", None), "name", "") is None
+            ):
                 raise RuntimeError(
                     "A SemLock created in a fork context is being shared with a process in a spawn context"
                 )
@@ -128,7 +131,9 @@ def drop_fake_main_file() -> None:
         del main.__file__  # type: ignore[union-attr]
 
 
-def dumps_by_value(obj: object, buffer_callback: Callable[[pickle.PickleBuffer], bool] | None = None) -> bytes:
+def dumps_by_value(
+    obj: object, buffer_callback: Callable[[pickle.PickleBuffer], bool] | None = None
+) -> bytes:
     """cloudpickle ``obj`` into a :class:`ByValue` envelope (consumer side);
     ``buffer_callback`` as for :func:`pickle.dumps` (protocol 5 out-of-band buffers)."""
     # Imported by name: cloudpickle has no type information, and users' own strict mypy
@@ -148,7 +153,9 @@ def dumps_by_value(obj: object, buffer_callback: Callable[[pickle.PickleBuffer],
 
     buf = io.BytesIO()
     # The envelope's dict is pickled after the context, so it holds what the context used.
-    _Recording(buf, protocol=pickle.HIGHEST_PROTOCOL, buffer_callback=buffer_callback).dump(ByValue(obj, found))
+    _Recording(buf, protocol=pickle.HIGHEST_PROTOCOL, buffer_callback=buffer_callback).dump(
+        ByValue(obj, found)
+    )
     return buf.getvalue()
 
 

@@ -59,7 +59,9 @@ class Stacker:
     def tensors(self, samples: Sequence[Any]) -> Any:
         return sys.modules["torch"].stack(list(samples))
 
-    def array_tensor(self, samples: Sequence[np.ndarray], shape: tuple[int, ...], dtype: np.dtype[Any]) -> Any:
+    def array_tensor(
+        self, samples: Sequence[np.ndarray], shape: tuple[int, ...], dtype: np.dtype[Any]
+    ) -> Any:
         """Torch mode: numpy samples checked as for ``arrays``, stacked into one tensor."""
         return _torch().from_numpy(self.arrays(samples, shape, dtype))
 

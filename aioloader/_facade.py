@@ -145,9 +145,13 @@ class LoaderBase:
         if prefetch is None or auto_prefetch:
             prefetch = max(2, 2 * self._pool.concurrency)
         if auto_prefetch:
-            settings.append(f"prefetch='auto' chose {prefetch}: two batches per worker of the pool, at least 2")
+            settings.append(
+                f"prefetch='auto' chose {prefetch}: two batches per worker of the pool, at least 2"
+            )
         self.prefetch: int = prefetch
-        self._transport: Transport = make_transport(transport, pool_kind=self._pool.kind, prefetch=self.prefetch)
+        self._transport: Transport = make_transport(
+            transport, pool_kind=self._pool.kind, prefetch=self.prefetch
+        )
         self._token = uuid.uuid4().hex
         self._state = Lifecycle.NEW
         self._shared = Shared()

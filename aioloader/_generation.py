@@ -107,7 +107,12 @@ class Generation:
             args = (dict(payloads), table, _slot_lock(ctx), ctx.RawValue("i", 0), n, os.getpid())
             pex = cf.ProcessPoolExecutor(n, ctx, _worker.pool_initializer, args)
         return cls(
-            number, pex, _reply.origin(True), processes=pex._processes, slots=Slots(table), tokens=frozenset(payloads)
+            number,
+            pex,
+            _reply.origin(True),
+            processes=pex._processes,
+            slots=Slots(table),
+            tokens=frozenset(payloads),
         )
 
     def launch(self) -> None:
@@ -272,6 +277,7 @@ def _retire_at_child_exit() -> None:
     if _exit_hook_pid != os.getpid():
         _exit_hook_pid = os.getpid()
         mp_util.Finalize(None, _retire_all_at_exit, exitpriority=100)
+
 
 _preload_lock = threading.Lock()
 _slot_locks: dict[str, Any] = {}

@@ -24,7 +24,12 @@ __all__ = ["pickle_for_workers"]
 
 
 def pickle_for_workers(
-    whole: object, parts: Sequence[tuple[str, object]], owner: str, *, share: bool = False, inherit: str | None = None
+    whole: object,
+    parts: Sequence[tuple[str, object]],
+    owner: str,
+    *,
+    share: bool = False,
+    inherit: str | None = None,
 ) -> tuple[bytes | _byvalue.Inherited, DataSegment | None]:
     """Pickle ``whole`` once for the workers; if that fails, find the culprit among
     ``parts`` and raise :class:`DatasetPickleError` naming it and the fix.
@@ -81,7 +86,9 @@ def _inherited(
     try:
         _byvalue.pickles_at_process_start(whole)
     except Exception as failed:
-        culprit = next((f"{name} ({type(obj).__name__})" for name, obj in parts if _fails_at_start(obj)), "context")
+        culprit = next(
+            (f"{name} ({type(obj).__name__})" for name, obj in parts if _fails_at_start(obj)), "context"
+        )
         raise DatasetPickleError(
             f"the {owner}'s {culprit} cannot reach the worker processes even when they start: "
             f"{type(failed).__name__}: {str(failed).rstrip('.')}. A primitive made by another start method than the "

@@ -44,7 +44,16 @@ from ._validate import default_mp_context, resolve_context
 from ._wake import Waker, waker_for
 from .errors import LoaderClosedError, PoolBrokenError
 
-__all__ = ["CrashInfo", "Generation", "Job", "Lost", "WorkerPool", "concurrency_of", "default_mp_context", "describe_exit"]
+__all__ = [
+    "CrashInfo",
+    "Generation",
+    "Job",
+    "Lost",
+    "WorkerPool",
+    "concurrency_of",
+    "default_mp_context",
+    "describe_exit",
+]
 
 PoolKind = Literal["process", "thread", "external"]
 MAX_START_FAILURES = 3
@@ -113,7 +122,9 @@ class WorkerPool:
             num_workers = available_cpus()[0]
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
             raise ValueError(f"num_workers must be an int >= 0, got {num_workers!r}")
-        self.kind: PoolKind = "external" if executor is not None else "process" if num_workers > 0 else "thread"
+        self.kind: PoolKind = (
+            "external" if executor is not None else "process" if num_workers > 0 else "thread"
+        )
         self.num_workers = num_workers
         self._context = resolve_context(mp_context) if self.kind == "process" else None
         self._external = executor
@@ -359,7 +370,9 @@ class WorkerPool:
             if phase >= Slots.ACCEPTED and task_id >= 0:
                 charged[task_id] = code
         ready = any(phase >= Slots.READY for phase, _, _ in rows.values())
-        info = CrashInfo(charged, dead, startup=gen.processes is not None and not ready and bool(dead or gen.failure))
+        info = CrashInfo(
+            charged, dead, startup=gen.processes is not None and not ready and bool(dead or gen.failure)
+        )
         self._start_failures = self._start_failures + 1 if info.startup else 0
         if self._start_failures >= MAX_START_FAILURES:
             self._start_failures = 0

@@ -71,7 +71,16 @@ from . import _orphan
 from ._shm import PREFIX, SHM_DIR, _parse_name, _pid_alive, host_key
 from .errors import RemoteError, SharedMemoryError, add_note
 
-__all__ = ["INLINE_MAX", "Entry", "Origin", "Outcome", "RemoteTraceback", "origin", "sweep_spills", "travelling"]
+__all__ = [
+    "INLINE_MAX",
+    "Entry",
+    "Origin",
+    "Outcome",
+    "RemoteTraceback",
+    "origin",
+    "sweep_spills",
+    "travelling",
+]
 
 #: Largest pickled outcome sent through the pipe from a worker that could spill: with
 #: the executor's own wrapping the message stays well under PIPE_BUF.
@@ -255,7 +264,9 @@ _seq = itertools.count()
 _written: collections.deque[str] = collections.deque(maxlen=8)  # removed if the consumer dies
 
 
-def _spill(head: bytes, buffers: list[pickle.PickleBuffer], dirs: tuple[str, ...], consumer: int) -> str | None:
+def _spill(
+    head: bytes, buffers: list[pickle.PickleBuffer], dirs: tuple[str, ...], consumer: int
+) -> str | None:
     """Write the pickle and its buffers to a new file in the first of ``dirs`` with
     room for it; its path, or ``None`` if none has."""
     global _nonce
@@ -355,7 +366,9 @@ def _unpack_spilled(ok: bool, path: str, pid: int) -> Outcome:
                 raise EOFError(f"{path} ends after {done} of {view.nbytes} bytes")
             done += n
     except BaseException as exc:
-        return Outcome(False, SharedMemoryError(f"cannot read the result worker pid {pid} left in {path}: {exc}"))
+        return Outcome(
+            False, SharedMemoryError(f"cannot read the result worker pid {pid} left in {path}: {exc}")
+        )
     finally:
         os.close(fd)
     try:
@@ -400,5 +413,7 @@ def _stale(name: str, st: os.stat_result, gone: set[int]) -> bool:
     if consumer == os.getpid():
         return worker in gone or (age >= SWEEP_GRACE_S and not _pid_alive(worker))
     return (
-        st.st_uid == os.getuid() and age >= FOREIGN_GRACE_S and not (_pid_alive(consumer) or _pid_alive(worker))
+        st.st_uid == os.getuid()
+        and age >= FOREIGN_GRACE_S
+        and not (_pid_alive(consumer) or _pid_alive(worker))
     )

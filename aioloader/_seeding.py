@@ -30,7 +30,7 @@ import numpy as np
 
 __all__ = [
     "SeedMode", "batch_key", "enter_sample", "sample_key", "sample_rng", "sample_seed", "sample_seeds",
-    "seed_sample", "start_batch",
+    "seed_sample", "seed_worker", "start_batch",
 ]  # fmt: skip
 
 SeedMode = Literal["batch", "sample", False]
@@ -178,6 +178,13 @@ def worker_seed(seed: int, worker_id: int) -> int:
     sample, not per worker; this is for code that seeds other libraries from it. Under
     2**63, as torch's are (it fits an int64 tensor)."""
     return (_mix(_mix(seed & _M64) ^ _mix(worker_id + 0x5EED))) >> 1
+
+
+def seed_worker(seed: int) -> None:
+    """Seed ``random``, numpy's global generator and torch's (if imported) from one
+    64-bit ``seed``: an iterable dataset's worker, once as its iteration of an epoch
+    begins (what torch does once per worker)."""
+    _seed_globals(seed & _M64, _torch_generator())
 
 
 def seed_sample(seed: int, epoch: int, index: int) -> None:

@@ -210,7 +210,9 @@ class Recorder:
         if self.first_submit_ns is None:
             self.first_submit_ns = now
 
-    def finished(self, pid: int, start_ns: int, end_ns: int, submit_ns: int, now: int, named: Any = None) -> None:
+    def finished(
+        self, pid: int, start_ns: int, end_ns: int, submit_ns: int, now: int, named: Any = None
+    ) -> None:
         """One task done; ``named.label`` (read only when tracing) names it."""
         self.busy_ns += end_ns - start_ns
         self.workers_seen.add(pid)

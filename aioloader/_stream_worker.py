@@ -90,9 +90,7 @@ def _build(ctx: StreamContext, task: StreamTask) -> tuple[Any, int, tuple[tuple[
             if ctx.on_error == "skip" and isinstance(exc, Exception):
                 why = f"{type(exc).__name__}: {exc}"
                 return None, 0, tuple((p, why) for p in where)
-            add_note(
-                exc, f"aioloader: raised by fn(items) on stream items {first}..{last} in {_where(task)}"
-            )
+            add_note(exc, f"aioloader: raised by fn(items) on stream items {first}..{last} in {_where(task)}")
             raise
         kept = list(where)
     else:
@@ -141,7 +139,9 @@ class Chain:
     ``batched``: a stream's ``transform`` in front of its ``fn`` (either may be absent).
     Picklable when both are."""
 
-    def __init__(self, transform: Callable[[Any], Any], fn: Callable[[Any], Any] | None, batched: bool) -> None:
+    def __init__(
+        self, transform: Callable[[Any], Any], fn: Callable[[Any], Any] | None, batched: bool
+    ) -> None:
         self.transform = transform
         self.fn = fn
         self.batched = batched

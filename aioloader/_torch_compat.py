@@ -38,7 +38,9 @@ def seed_from_generator(generator: Any) -> int:
     advances the generator once, as constructing a torch iterator does)."""
     torch = sys.modules.get("torch")
     if torch is None or not isinstance(generator, torch.Generator):
-        raise TypeError(f"generator must be a torch.Generator, got {generator!r} ({type(generator).__name__})")
+        raise TypeError(
+            f"generator must be a torch.Generator, got {generator!r} ({type(generator).__name__})"
+        )
     drawn = torch.empty((), dtype=torch.int64).random_(generator=generator).item()
     return int(drawn) & _SEED_MASK
 
@@ -62,7 +64,9 @@ def _pinner(pin_memory: bool, device: str) -> Callable[[Any], Any] | None:
     if not pin_memory:
         if device:
             warnings.warn(
-                f"pin_memory_device={device!r} has no effect without pin_memory=True", UserWarning, stacklevel=4
+                f"pin_memory_device={device!r} has no effect without pin_memory=True",
+                UserWarning,
+                stacklevel=4,
             )
         return None
     try:
@@ -104,7 +108,9 @@ def resolve_torch_args(
         )
     if prefetch_factor is not None:
         if prefetch is not None:
-            raise ValueError("pass prefetch or prefetch_factor, not both (prefetch = prefetch_factor * num_workers)")
+            raise ValueError(
+                "pass prefetch or prefetch_factor, not both (prefetch = prefetch_factor * num_workers)"
+            )
         prefetch_factor = check_int("prefetch_factor", prefetch_factor, 1)
         workers = check_int("num_workers", num_workers, 0)
         if workers == 0:

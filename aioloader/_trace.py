@@ -70,7 +70,14 @@ class Tracer:
             else:
                 ends[lane] = end
             tid = tids.setdefault((pid, track, lane), len(tids) + 1)
-            ev: dict[str, Any] = {"name": name, "ph": "X", "pid": pid, "tid": tid, "ts": start / 1000, "dur": (end - start) / 1000}
+            ev: dict[str, Any] = {
+                "name": name,
+                "ph": "X",
+                "pid": pid,
+                "tid": tid,
+                "ts": start / 1000,
+                "dur": (end - start) / 1000,
+            }
             if args:
                 ev["args"] = args
             out.append(ev)
@@ -85,7 +92,9 @@ class Tracer:
             first_tid.setdefault(pid, tid)
             label = track if lane == 0 else f"{track} ({lane + 1})"
             meta.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": label}})
-            meta.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid, "args": {"sort_index": tid}})
+            meta.append(
+                {"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid, "args": {"sort_index": tid}}
+            )
         # process metadata carries the tid of one of the process's own tracks, so that no
         # importer invents an empty thread for it
         for pid in sorted(first_tid, key=lambda p: (p != me, p)):
@@ -93,7 +102,15 @@ class Tracer:
             tid = first_tid[pid]
             meta.append({"name": "process_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": label}})
             order = 0 if pid == me else pid
-            meta.append({"name": "process_sort_index", "ph": "M", "pid": pid, "tid": tid, "args": {"sort_index": order}})
+            meta.append(
+                {
+                    "name": "process_sort_index",
+                    "ph": "M",
+                    "pid": pid,
+                    "tid": tid,
+                    "args": {"sort_index": order},
+                }
+            )
         return meta
 
     def write(self) -> Path:

@@ -45,7 +45,9 @@ def check_seed_samples(value: Any) -> Literal["batch", "sample", False]:
         mode: Literal["batch", "sample"] = check_choice("seed_samples", value, ("batch", "sample"))
         return mode
     if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"seed_samples must be 'batch', 'sample' or a bool, got {value!r} ({type(value).__name__})")
+        raise TypeError(
+            f"seed_samples must be 'batch', 'sample' or a bool, got {value!r} ({type(value).__name__})"
+        )
     return "sample" if value else False
 
 
@@ -93,9 +95,7 @@ def check_sampling(
         if conflicts:
             raise ValueError(f"batch_sampler is mutually exclusive with {', '.join(conflicts)}")
         if not isinstance(batch_sampler, Iterable):
-            raise TypeError(
-                f"batch_sampler must be a re-iterable of index sequences, got {batch_sampler!r}"
-            )
+            raise TypeError(f"batch_sampler must be a re-iterable of index sequences, got {batch_sampler!r}")
     if sampler is not None:
         if shuffle:
             raise ValueError("sampler is mutually exclusive with shuffle=True")
@@ -131,18 +131,25 @@ def check_unbatched(batch_sampler: object, drop_last: bool | None, last_batch: s
         if given
     ]
     if conflicts:
-        raise ValueError(f"batch_size=None (no automatic batching) is mutually exclusive with {', '.join(conflicts)}")
+        raise ValueError(
+            f"batch_size=None (no automatic batching) is mutually exclusive with {', '.join(conflicts)}"
+        )
+
+
+def is_iterable_dataset(dataset: object) -> bool:
+    """A torch ``IterableDataset`` (only if torch is imported: nothing else can be one)."""
+    data = sys.modules.get("torch.utils.data")
+    return data is not None and isinstance(dataset, data.IterableDataset)
 
 
 def check_map_dataset(dataset: Any) -> int:
     """The length of a map-style ``dataset``; a clear ``TypeError`` for anything else."""
-    data = sys.modules.get("torch.utils.data")
-    if data is not None and isinstance(dataset, data.IterableDataset):
+    if is_iterable_dataset(dataset):
         # It inherits a __getitem__ that raises NotImplementedError: refuse it here, with
         # its own name, rather than at sample 0 (a __len__ would let it through).
         raise TypeError(
-            f"dataset is a torch IterableDataset ({type(dataset).__name__}): DataLoader takes "
-            "map-style datasets only; iterate it with aioloader.StreamLoader(dataset, ...) instead"
+            f"dataset is a torch IterableDataset ({type(dataset).__name__}): only DataLoader(dataset) "
+            "iterates one (in its workers); here the items must be indexable"
         )
     if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
         raise TypeError(

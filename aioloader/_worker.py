@@ -92,6 +92,11 @@ class WorkerContext:
     unbatched: bool = False  # batch_size=None: collate_fn takes the one sample, not a list
     seed: int = 0  # the loader's seed when the payload was made (worker info in worker_init_fn)
     transform: Callable[[Any], Any] | None = None  # applied to each sample before collate_fn
+    # An iterable dataset's: worker_init_fn runs as each shard task begins, with the
+    # shard's id (see aioloader._shard_worker), not once per process with its slot.
+    iterable: bool = False
+    batch_size: int = 1  # an iterable dataset's (its worker cuts the batches)
+    drop_last: bool = False
     # Set in the worker, never pickled with the payload:
     remote: bool = field(default=False, compare=False)
     init_error: BaseException | None = field(default=None, compare=False)
@@ -180,13 +185,25 @@ def _publish_worker_info(ctx: WorkerContext, seed: int) -> None:
 def _run_init(ctx: WorkerContext) -> None:
     ctx.init_done = True
     _publish_worker_info(ctx, ctx.seed)
-    if ctx.worker_init_fn is None:
+    if ctx.worker_init_fn is None or ctx.iterable:
         return
     try:
         ctx.worker_init_fn(_worker_id)
     except Exception as exc:  # surfaced with the first batch this worker builds
         add_note(exc, f"aioloader: raised by worker_init_fn({_worker_id}) in worker pid {os.getpid()}")
         ctx.init_error = exc
+
+
+def publish_shard_info(ctx: WorkerContext, shard: int, num_shards: int, seed: int) -> bool:
+    """Make ``torch.utils.data.get_worker_info()`` describe shard ``shard`` of an
+    iterable dataset's epoch (its id is the shard's, ``0 <= id < num_shards``, whichever
+    process runs it). Only in a process pool's worker, and only where torch is imported
+    (as :func:`_publish_worker_info`); returns whether it did."""
+    module: Any = sys.modules.get(_TORCH_WORKER) if _num_workers else None
+    if module is None:
+        return False
+    module._worker_info = module.WorkerInfo(id=shard, num_workers=num_shards, seed=seed, dataset=ctx.dataset)
+    return True
 
 
 def pool_initializer(
@@ -209,7 +226,10 @@ def pool_initializer(
     try:
         if consumer_pid:
             threading.Thread(
-                target=_orphan.exit_when_orphaned, args=(consumer_pid,), name="aioloader-orphan-watch", daemon=True
+                target=_orphan.exit_when_orphaned,
+                args=(consumer_pid,),
+                name="aioloader-orphan-watch",
+                daemon=True,
             ).start()
         if table is not None:
             with lock:
@@ -355,7 +375,9 @@ def _build(ctx: WorkerContext, task: BatchTask) -> tuple[Any, tuple[tuple[int, s
                     continue
                 what = f"dataset[{i}]"
                 if in_transform:
-                    what = "transform(the fetched sample)" if values is not None else f"transform(dataset[{i}])"
+                    what = (
+                        "transform(the fetched sample)" if values is not None else f"transform(dataset[{i}])"
+                    )
                 add_note(exc, f"aioloader: raised by {what} (sample index {i}) in {_where(task)}")
                 raise
             kept.append(i)

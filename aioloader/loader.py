@@ -44,11 +44,14 @@ from ._validate import (
     check_seed_samples,
     check_shard,
     check_unbatched,
+    is_iterable_dataset,
 )
 
 __all__ = ["DataLoader"]
 
-_FROZEN = frozenset({"dataset", "batch_size", "sampler", "batch_sampler", "drop_last", "last_batch", "shuffle"})
+_FROZEN = frozenset(
+    {"dataset", "batch_size", "sampler", "batch_sampler", "drop_last", "last_batch", "shuffle"}
+)
 
 
 class DataLoader(IterableLoader, Resumable, Generic[Batch]):
@@ -147,6 +150,14 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
 
     _kind = "DataLoader"
 
+    def __new__(cls, dataset: Any = None, *args: Any, **kwargs: Any) -> DataLoader[Any]:
+        # A torch IterableDataset is iterated by the workers themselves (aioloader._iterloader).
+        if cls is DataLoader and is_iterable_dataset(dataset):
+            from ._iterloader import IterableDataLoader
+
+            return super().__new__(IterableDataLoader)
+        return super().__new__(cls)
+
     def __init__(
         self,
         dataset: MapDataset[Any],
@@ -231,7 +242,9 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
         self.sampler = sampler
         self.batch_sampler = batch_sampler
         self.last_batch: LastBatch = last_batch
-        self.collate_fn = collate_fn if collate_fn is not None else default_convert if unbatched else default_collate
+        self.collate_fn = (
+            collate_fn if collate_fn is not None else default_convert if unbatched else default_collate
+        )
         self.timeout = timeout
         self.worker_init_fn = worker_init_fn
         self.ordered: bool = torch_args.ordered
@@ -305,7 +318,12 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
 
     def _pickled_parts(self) -> Sequence[tuple[str, object]]:
         ds = () if self._fetch is not None else (("dataset", self.dataset),)
-        return (*ds, ("transform", self.transform), ("collate_fn", self.collate_fn), ("worker_init_fn", self.worker_init_fn))
+        return (
+            *ds,
+            ("transform", self.transform),
+            ("collate_fn", self.collate_fn),
+            ("worker_init_fn", self.worker_init_fn),
+        )
 
     # ------------------------------------------------------------------- planning
     def __len__(self) -> int:

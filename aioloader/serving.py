@@ -176,7 +176,12 @@ class Batcher(LoaderBase, Generic[Batch]):
     def _worker_context(self) -> StreamContext:
         wrapped: Callable[[Any], Any] = PerBatch(self.fn) if self.batched_fn else PerItem(self.fn)
         return StreamContext(
-            dataset=None, collate_fn=list, on_error="raise", seed_samples=False, fn=wrapped, batched_fn=self.batched_fn
+            dataset=None,
+            collate_fn=list,
+            on_error="raise",
+            seed_samples=False,
+            fn=wrapped,
+            batched_fn=self.batched_fn,
         )
 
     def _pickled_parts(self) -> Sequence[tuple[str, object]]:

@@ -226,7 +226,9 @@ class StreamLoader(IterableLoader, Generic[Batch]):
             self._check_open()
             side = WorkerSide(self._token, 0, self._shared.get_payload, self._inline_ctx)
             feed = make_feed(self.source)
-            run = Run(self._run_config(), Batcher(side, feed, self._iterations, self.batch_size, self.max_latency))
+            run = Run(
+                self._run_config(), Batcher(side, feed, self._iterations, self.batch_size, self.max_latency)
+            )
             p = _StreamPass(self._recorder, run, self._iterations)
             self._iterations += 1
             self._active = run

@@ -37,7 +37,16 @@ from typing import Any
 from ..loader import DataLoader
 from . import usage_error
 
-__all__ = ["BenchResult", "Run", "aggregate", "bench_main", "load_factory", "measure", "recommend", "usable_cores"]
+__all__ = [
+    "BenchResult",
+    "Run",
+    "aggregate",
+    "bench_main",
+    "load_factory",
+    "measure",
+    "recommend",
+    "usable_cores",
+]
 
 
 @dataclass(frozen=True)
@@ -126,7 +135,9 @@ def measure(
     walls: list[float] = []
     batches_seen = 0
     cpu0 = time.process_time()
-    with DataLoader(dataset, batch_size, shuffle=True, seed=0, num_workers=workers, prefetch=prefetch) as loader:
+    with DataLoader(
+        dataset, batch_size, shuffle=True, seed=0, num_workers=workers, prefetch=prefetch
+    ) as loader:
         for _epoch in range(epochs):
             t0 = time.perf_counter()
             n = 0
@@ -216,12 +227,18 @@ def _parser(cores: int) -> argparse.ArgumentParser:
     )
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument(
-        "--epochs", type=int, default=2, help="epochs per repetition; the first is a warm-up left out (default 2)"
+        "--epochs",
+        type=int,
+        default=2,
+        help="epochs per repetition; the first is a warm-up left out (default 2)",
     )
     parser.add_argument("--repeat", type=int, default=3, help="repetitions per setting (default 3)")
     parser.add_argument("--max-batches", type=int, default=None, help="cap batches per epoch")
     parser.add_argument(
-        "--step-ms", type=float, default=0.0, help="simulated training step per batch, in ms (gives the stall column)"
+        "--step-ms",
+        type=float,
+        default=0.0,
+        help="simulated training step per batch, in ms (gives the stall column)",
     )
     return parser
 
@@ -245,8 +262,14 @@ def bench_main(argv: Sequence[str] | None = None) -> int:
     parser = _parser(cores)
     args = parser.parse_args(argv)
     workers_list: list[int] = args.workers or _default_workers(cores)
-    checks = [("--batch-size", args.batch_size, 1), ("--epochs", args.epochs, 1), ("--repeat", args.repeat, 1)]
-    checks += [("--workers", w, 0) for w in workers_list] + [("--prefetch", p, 1) for p in args.prefetch or []]
+    checks = [
+        ("--batch-size", args.batch_size, 1),
+        ("--epochs", args.epochs, 1),
+        ("--repeat", args.repeat, 1),
+    ]
+    checks += [("--workers", w, 0) for w in workers_list] + [
+        ("--prefetch", p, 1) for p in args.prefetch or []
+    ]
     if args.max_batches is not None:
         checks.append(("--max-batches", args.max_batches, 1))
     for name, value, low in checks:
@@ -271,21 +294,36 @@ def bench_main(argv: Sequence[str] | None = None) -> int:
     for rep in range(args.repeat):
         for w, p in settings:
             used[w, p], run = measure(
-                dataset, workers=w, prefetch=p, batch_size=args.batch_size, epochs=args.epochs,
-                max_batches=args.max_batches, step_s=args.step_ms / 1000,
+                dataset,
+                workers=w,
+                prefetch=p,
+                batch_size=args.batch_size,
+                epochs=args.epochs,
+                max_batches=args.max_batches,
+                step_s=args.step_ms / 1000,
             )
             runs[w, p].append(run)
-            print(f"bench: repetition {rep + 1}/{args.repeat}, workers={w} prefetch={used[w, p]}: "
-                  f"{run.samples_per_s:,.0f} samples/s", file=sys.stderr, flush=True)
+            print(
+                f"bench: repetition {rep + 1}/{args.repeat}, workers={w} prefetch={used[w, p]}: "
+                f"{run.samples_per_s:,.0f} samples/s",
+                file=sys.stderr,
+                flush=True,
+            )
     results = [aggregate(w, used[w, p], runs[w, p], stepped=args.step_ms > 0) for w, p in settings]
-    header = (f"{'workers':>7} {'prefetch':>8} {'samples/s':>11} {'range (min-max)':>19} "
-              f"{'first batch':>11} {'stall':>6} {'main CPU/batch':>14}")
+    header = (
+        f"{'workers':>7} {'prefetch':>8} {'samples/s':>11} {'range (min-max)':>19} "
+        f"{'first batch':>11} {'stall':>6} {'main CPU/batch':>14}"
+    )
     print(header)
     print("-" * len(header))
     for r in results:
         print(_row(r))
     best = recommend(results, cores=cores)
-    over = f", more than the {cores} usable cores: it beat them in every repetition" if best.workers > cores else ""
+    over = (
+        f", more than the {cores} usable cores: it beat them in every repetition"
+        if best.workers > cores
+        else ""
+    )
     print(
         f"\nrecommended: num_workers={best.workers}, prefetch={best.prefetch} "
         f"({best.samples_per_s:,.0f} samples/s median; the cheapest setting within 5% of the fastest{over})"

@@ -29,7 +29,9 @@ def _writing_on(pool: WorkerPool) -> Callable[[JpegWriter], Iterator[list[int]]]
 
     def run(writer: JpegWriter) -> Iterator[list[int]]:
         # One pass: building the next epoch ahead would write every file twice.
-        with DataLoader(writer, 16, pool=pool, collate_fn=list, seed_samples=False, prefetch_next_epoch=False) as loader:
+        with DataLoader(
+            writer, 16, pool=pool, collate_fn=list, seed_samples=False, prefetch_next_epoch=False
+        ) as loader:
             yield from loader
 
     return run
@@ -42,11 +44,17 @@ def demo_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--cache", type=Path, default=None, help="dataset folder (default: ~/.cache/aioloader)")
+    parser.add_argument(
+        "--cache", type=Path, default=None, help="dataset folder (default: ~/.cache/aioloader)"
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
-    for name, value, low in (("--images", args.images, 8), ("--epochs", args.epochs, 1),
-                             ("--batch-size", args.batch_size, 1), ("--workers", args.workers, 0)):
+    for name, value, low in (
+        ("--images", args.images, 8),
+        ("--epochs", args.epochs, 1),
+        ("--batch-size", args.batch_size, 1),
+        ("--workers", args.workers, 0),
+    ):
         if value < low:
             parser.error(f"{name} must be {low} or more, got {value}")
 
@@ -55,12 +63,18 @@ def demo_main(argv: Sequence[str] | None = None) -> int:
         t0 = time.perf_counter()
         make_synthetic_jpegs(root, args.images, progress=not args.no_progress, run=_writing_on(pool))
         dataset = SyntheticJpegDataset(args.images, root=root, progress=False)
-        print(f"dataset: {args.images} JPEGs in {root} (ready in {time.perf_counter() - t0:.1f} s)", flush=True)
-        with DataLoader(dataset, args.batch_size, shuffle=True, pool=pool, seed=0, last_batch="keep") as loader:
+        print(
+            f"dataset: {args.images} JPEGs in {root} (ready in {time.perf_counter() - t0:.1f} s)", flush=True
+        )
+        with DataLoader(
+            dataset, args.batch_size, shuffle=True, pool=pool, seed=0, last_batch="keep"
+        ) as loader:
             for epoch in range(args.epochs):
                 start = time.perf_counter()
                 images = 0
-                with progress_bar(len(loader), f"epoch {epoch}", unit="batch", disable=args.no_progress) as bar:
+                with progress_bar(
+                    len(loader), f"epoch {epoch}", unit="batch", disable=args.no_progress
+                ) as bar:
                     for batch, labels in loader:
                         images += len(labels)
                         if batch.shape[1:] != (224, 224, 3) or batch.dtype != np.uint8:

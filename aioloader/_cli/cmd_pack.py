@@ -105,9 +105,7 @@ def _pack_parser() -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument("image_dir", metavar="IMAGE_DIR", help="root folder of the images")
-    parser.add_argument(
-        "output", metavar="OUT.rec", help="record file to write (.idx and .lst beside it)"
-    )
+    parser.add_argument("output", metavar="OUT.rec", help="record file to write (.idx and .lst beside it)")
     parser.add_argument(
         "--pass-through",
         "--no-reencode",
@@ -128,9 +126,7 @@ def _pack_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="encoding worker processes; 0 encodes in this process (default: min(4, CPUs))",
     )
-    parser.add_argument(
-        "--batch-size", type=int, default=32, metavar="B", help="images per worker task"
-    )
+    parser.add_argument("--batch-size", type=int, default=32, metavar="B", help="images per worker task")
     return parser
 
 

@@ -38,7 +38,9 @@ class StreamUnit:
 
     @property
     def label(self) -> str:
-        return f"micro-batch {self.key} of the stream (source items {self.first}..{self.first + self.size - 1})"
+        return (
+            f"micro-batch {self.key} of the stream (source items {self.first}..{self.first + self.size - 1})"
+        )
 
     @property
     def indices(self) -> range:

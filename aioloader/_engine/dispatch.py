@@ -51,6 +51,7 @@ class Dispatcher:
     timeout: float | None
     max_retries: int
     is_closed: Callable[[], bool]
+    watch: bool = True  # False: the caller times its tasks itself (see expire)
     stopping: bool = False
     _running: dict[int, Job] = field(default_factory=dict)
     _timed_out: dict[int, str] = field(default_factory=dict)  # task id -> what the pool did about it
@@ -72,7 +73,7 @@ class Dispatcher:
         """
         loop = asyncio.get_running_loop()
         pool = self.pool
-        if self.timeout is not None and self._watchdog is None and not self.stopping:
+        if self.timeout is not None and self.watch and self._watchdog is None and not self.stopping:
             self._watchdog = loop.create_task(self._watch(self.timeout))
         attempts = 0
         with_payload = False
@@ -105,7 +106,7 @@ class Dispatcher:
                     if attempts > self.max_retries:
                         code, indices = info.charged[task_id], named.indices
                         raise WorkerCrashedError(
-                            f"{named.label} (sample indices {_short(indices)}) was lost to a dying worker "
+                            f"{_name(named)} was lost to a dying worker "
                             f"{attempts} times (exit code {describe_exit(code)}); max_retries={self.max_retries}",
                             indices=_as_list(indices),
                             exitcode=code,
@@ -129,16 +130,15 @@ class Dispatcher:
 
     def _timeout_error(self, named: Named, how: str) -> LoaderTimeout:
         t, indices = self.timeout, named.indices
+        since = "of a worker starting it" if self.watch else "of being due"
         return LoaderTimeout(
-            f"{named.label} (sample indices {_short(indices)}) was not delivered within timeout={t} s "
-            f"of a worker starting it; {how}",
+            f"{_name(named)} was not delivered within timeout={t} s {since}; {how}",
             indices=_as_list(indices),
             timeout=t,
         )
 
     async def _watch(self, timeout: float) -> None:
         pool = self.pool
-        loop = asyncio.get_running_loop()
         period = min(0.05, timeout / 4)
         limit = int(timeout * 1e9)
         while True:
@@ -150,12 +150,28 @@ class Dispatcher:
                 started = pool.started_at(job)
                 if started is None or now - started <= limit:
                     continue
-                self._timed_out[task_id] = "the pool stopped it"
-                how = await loop.run_in_executor(None, pool.stop, job)
-                if how is None:  # it finished between our look and the stop: no timeout
-                    self._timed_out.pop(task_id, None)
-                else:
-                    self._timed_out[task_id] = how
+                await self.expire(task_id)
+
+    async def expire(self, task_id: int) -> bool:
+        """Stop running task ``task_id`` for overrunning the timeout: its :meth:`run`
+        raises :class:`~aioloader.LoaderTimeout`. Returns whether it was stopped (not
+        if it finished first). Also for callers that time their tasks themselves."""
+        job = self._running.get(task_id)
+        if job is None or task_id in self._timed_out:
+            return False
+        self._timed_out[task_id] = "the pool stopped it"
+        how = await asyncio.get_running_loop().run_in_executor(None, self.pool.stop, job)
+        if how is None:  # it finished between our look and the stop: no timeout
+            self._timed_out.pop(task_id, None)
+            return False
+        self._timed_out[task_id] = how
+        return True
+
+
+def _name(named: Named) -> str:
+    """``"batch 3 of epoch 0 (sample indices [...])"``; the label alone without indices."""
+    indices = named.indices
+    return f"{named.label} (sample indices {_short(indices)})" if len(indices) else named.label
 
 
 def _as_list(indices: Any) -> list[int]:

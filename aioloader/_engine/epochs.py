@@ -70,7 +70,9 @@ class Cursor:
                 after = after - {prefix}
                 prefix += 1
             return Cursor(self.epoch, self.carry, prefix, after, self.sampler_state, self.length)
-        return Cursor(self.epoch, self.carry, self.prefix, self.after | {pos}, self.sampler_state, self.length)
+        return Cursor(
+            self.epoch, self.carry, self.prefix, self.after | {pos}, self.sampler_state, self.length
+        )
 
 
 @dataclass

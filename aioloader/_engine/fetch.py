@@ -128,7 +128,9 @@ def is_transient(exc: BaseException) -> bool:
     if isinstance(exc, (ConnectionError, TimeoutError, asyncio.TimeoutError)):
         return True
     aiohttp = sys.modules.get("aiohttp")  # a fetch that raises its errors has imported it
-    if aiohttp is not None and isinstance(exc, (aiohttp.ClientConnectionError, aiohttp.ServerDisconnectedError)):
+    if aiohttp is not None and isinstance(
+        exc, (aiohttp.ClientConnectionError, aiohttp.ServerDisconnectedError)
+    ):
         return True
     status = getattr(exc, "status", None)
     return isinstance(status, int) and (500 <= status < 600 or status == 429)
@@ -167,7 +169,9 @@ class _UnitState:
 
 # Runs that use a fetch owner (an object with ``aclose()``), per event loop: the owner is
 # closed on a loop when the last run that fetched with it there ends.
-_owner_runs: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[int, int]] = weakref.WeakKeyDictionary()
+_owner_runs: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[int, int]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def _owner(fetch: Any) -> Any:
@@ -226,7 +230,9 @@ class FetchStage:
     async def _call(self, item: Any) -> Any:
         aw = self.cfg.fetch(item)
         if not inspect.isawaitable(aw):
-            raise TypeError(f"fetch must be an async callable; fetch({_describe(item)}) returned {type(aw).__name__}")
+            raise TypeError(
+                f"fetch must be an async callable; fetch({_describe(item)}) returned {type(aw).__name__}"
+            )
         timeout = self.cfg.timeout
         if timeout is None:
             return await aw
@@ -287,7 +293,9 @@ class FetchStage:
             )
         if self.cfg.skip:
             return _Failed(index, f"{type(exc).__name__}: {exc}")
-        add_note(exc, f"aioloader: raised by fetch(item) for sample index {index}, item {_describe(item)}{tries}")
+        add_note(
+            exc, f"aioloader: raised by fetch(item) for sample index {index}, item {_describe(item)}{tries}"
+        )
         raise exc
 
     # ------------------------------------------------------------------- units

@@ -148,8 +148,7 @@ class RequestQueue:
             self.counters.expired += 1
             req.future.set_exception(
                 DeadlineExceeded(
-                    f"request {req.rid} waited past its deadline of {req.deadline} s before a worker "
-                    "took it",
+                    f"request {req.rid} waited past its deadline of {req.deadline} s before a worker took it",
                     deadline=req.deadline,
                 )
             )

@@ -56,7 +56,9 @@ def cursor_from_state(
     if not isinstance(state, dict):
         raise StateDictError(f"state must be a dict from DataLoader.state_dict(), got {type(state).__name__}")
     if state.get("version") != STATE_VERSION:
-        raise StateDictError(f"state version {state.get('version')!r} is not supported (expected {STATE_VERSION})")
+        raise StateDictError(
+            f"state version {state.get('version')!r} is not supported (expected {STATE_VERSION})"
+        )
     for key, value in identity.items():
         if state.get(key) != value:
             raise StateDictError(
@@ -65,7 +67,9 @@ def cursor_from_state(
             )
     sampler_state = state.get("sampler")
     if sampler_state is not None and not callable(getattr(sampler, "load_state_dict", None)):
-        raise StateDictError("state dict holds a sampler state but this loader's sampler has no load_state_dict")
+        raise StateDictError(
+            "state dict holds a sampler state but this loader's sampler has no load_state_dict"
+        )
     try:
         seed, epoch = int(state["seed"]), int(state["epoch"])
         prefix = int(state["next_position"])
@@ -83,7 +87,12 @@ def cursor_from_state(
             f"(len(dataset)) but this dataset has {length_now} samples"
         )
     n_batches = num_batches(len(rollover), length if begun else length_now)
-    if seed < 0 or epoch < 0 or not 0 <= prefix <= n_batches or any(not prefix < p < n_batches for p in after):
+    if (
+        seed < 0
+        or epoch < 0
+        or not 0 <= prefix <= n_batches
+        or any(not prefix < p < n_batches for p in after)
+    ):
         raise StateDictError(
             f"state dict positions are out of range: seed={seed}, epoch={epoch}, "
             f"next_position={prefix}, delivered_after={after} for {n_batches} batches"

@@ -12,8 +12,10 @@ The consumer frees the slot when it *takes* the unit, so units submitted, runnin
 finished but not yet taken never exceed the window (``prefetch``).
 
 The source alone decides what comes next and when: an epoch plan (continuing, as a
-policy, into the next epoch while the consumer finishes this one), or a stream's batcher,
-which assembles items under a deadline while it holds its slot. When the source ends or
+policy, into the next epoch while the consumer finishes this one), a stream's batcher,
+which assembles items under a deadline while it holds its slot, or an iterable dataset's
+shards (whose units are batches that long-running shard tasks send; such a source runs
+its units itself, through its ``execute``). When the source ends or
 raises, the run queues a terminal entry after the last unit, so the consumer gets every
 unit taken before a source error, then the error.
 
@@ -117,7 +119,9 @@ class _Raised:
 
 
 _WAKE: Any = object()
-_HAS_CANCELLING = hasattr(asyncio.Task, "cancelling")  # put on the ready queue by aclose(): wakes a waiting consumer
+_HAS_CANCELLING = hasattr(
+    asyncio.Task, "cancelling"
+)  # put on the ready queue by aclose(): wakes a waiting consumer
 
 
 class Run:
@@ -133,6 +137,9 @@ class Run:
         self.aside: collections.deque[asyncio.Task[Any]] = collections.deque()
         self.dispatcher = Dispatcher(cfg.pool, cfg.recorder, cfg.timeout, cfg.max_retries, cfg.is_closed)
         self.fetcher = FetchStage(cfg.fetch, cfg.recorder) if cfg.fetch is not None else None
+        # A source whose units are not pool tasks of their own runs them itself: an
+        # iterable dataset's units are batches its long-running shard tasks send.
+        self._source_runs: Callable[[Any], Any] | None = getattr(source, "execute", None)
         self.closed = False
         self.ended = False  # the consumer saw the terminal entry
         self._unqueued = 0  # unordered: submitted units not yet on the ready queue
@@ -142,7 +149,9 @@ class Run:
 
     def start(self) -> None:
         if self._producer is None:
-            self._producer = self.loop.create_task(self._produce(), name=f"aioloader-{self.cfg.kind}-producer")
+            self._producer = self.loop.create_task(
+                self._produce(), name=f"aioloader-{self.cfg.kind}-producer"
+            )
 
     # ------------------------------------------------------------------ producer
     async def _produce(self) -> None:
@@ -188,6 +197,8 @@ class Run:
 
     async def _execute(self, unit: Unit) -> Any:
         try:
+            if self._source_runs is not None:  # its units run through the source (shards)
+                return await self._source_runs(unit)
             if self.fetcher is not None:
                 return await self.fetcher.run(unit, lambda make_task: self._dispatch(unit, make_task))
             return await self.dispatcher.run(unit.fn, unit.make_task, unit)

@@ -36,9 +36,7 @@ Transform: TypeAlias = Callable[[Image.Image], Any]
 Label: TypeAlias = "np.float32 | npt.NDArray[np.float32]"
 
 
-def _decode_rgb(
-    source: str | bytes, *, path: str, key: int | None, reduced: bool = False
-) -> Image.Image:
+def _decode_rgb(source: str | bytes, *, path: str, key: int | None, reduced: bool = False) -> Image.Image:
     """Decode ``source`` (a file path or encoded bytes) to a loaded RGB Pillow image.
 
     ``reduced`` lets a JPEG decode at an eighth of its size (other formats ignore it):
@@ -172,7 +170,9 @@ class ImageFolder:
         return f"{type(self).__name__}({self.root!r}, classes={len(self.classes)}, samples={len(self)})"
 
 
-RemoteParts: TypeAlias = "tuple[Sequence[RecordSpan], Callable[[RecordSpan], Awaitable[Any]], Callable[[Any], Any]]"
+RemoteParts: TypeAlias = (
+    "tuple[Sequence[RecordSpan], Callable[[RecordSpan], Awaitable[Any]], Callable[[Any], Any]]"
+)
 """What ``__aioloader_remote__()`` returns: ``(items, fetch, transform)``."""
 
 
@@ -294,7 +294,9 @@ class ImageRecordDataset(_RecordDataset):
     def __getitem__(self, index: int) -> tuple[Any, Label]:
         i = _normalize_index(index, len(self))
         record = self.reader.read_position(i)
-        return image_sample(record, path=self.reader.path, key=int(self.reader.keys[i]), transform=self.transform)
+        return image_sample(
+            record, path=self.reader.path, key=int(self.reader.keys[i]), transform=self.transform
+        )
 
     def _from_raw(self, decoder: RecordDecoder) -> Callable[[Any], Any]:
         return _ImageFromRaw(decoder, self.transform)

@@ -71,8 +71,7 @@ def unpack_header(
     view = as_view(record)
     if view.nbytes < _IR.size:
         raise fail(
-            f"record of {view.nbytes} bytes is too short for an image-record header "
-            f"({_IR.size} bytes)",
+            f"record of {view.nbytes} bytes is too short for an image-record header ({_IR.size} bytes)",
             path,
             key,
             None,

@@ -112,7 +112,9 @@ class StoreTimeoutError(TransientStoreError, TimeoutError):
     """The request timed out (``timeout``/``connect_timeout`` in the options); transient."""
 
 
-def _rebuild_error(cls: type[ObjectStoreError], msg: str, key: str | None, url: str, status: int | None) -> Any:
+def _rebuild_error(
+    cls: type[ObjectStoreError], msg: str, key: str | None, url: str, status: int | None
+) -> Any:
     return cls(msg, key=key, url=url, status=status)
 
 

@@ -35,7 +35,6 @@ PART = struct.Struct("<II")
 _O_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
 
 
-
 _C = TypeVar("_C", bound="Closing")
 
 
@@ -57,9 +56,7 @@ class Closing:
         self.close()
 
 
-def fail(
-    message: str, path: str | None, key: int | None, offset: int | None
-) -> RecordIOError:
+def fail(message: str, path: str | None, key: int | None, offset: int | None) -> RecordIOError:
     """The error for ``message``; its text and attributes name the file, key and offset."""
     where = path if path is not None else "<record>"
     parts = [where]

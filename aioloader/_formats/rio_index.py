@@ -37,8 +37,7 @@ def _idx_line_error(idx_path: str, data: bytes, line_no: int, starts: Any, why: 
     text = data[start : end if end >= 0 else len(data)]
     shown = text[:60] + (b"..." if len(text) > 60 else b"")
     return fail(
-        f"malformed .idx line {line_no + 1} {shown!r}: {why} "
-        "(expected '<integer key><TAB><byte offset>')",
+        f"malformed .idx line {line_no + 1} {shown!r}: {why} (expected '<integer key><TAB><byte offset>')",
         idx_path,
         None,
         start,
@@ -88,8 +87,8 @@ def _parse_index(idx_path: str, data: bytes) -> tuple[npt.NDArray[np.int64], npt
     if bad.any():
         line_no = int(np.argmax(bad))
         if tab_count[line_no] != 1:
-            why = "blank line" if newlines[line_no] == starts[line_no] else (
-                f"{int(tab_count[line_no])} tabs"
+            why = (
+                "blank line" if newlines[line_no] == starts[line_no] else (f"{int(tab_count[line_no])} tabs")
             )
         elif key_len[line_no] < 1 or off_len[line_no] < 1:
             why = "empty field"
@@ -108,16 +107,12 @@ def _parse_index(idx_path: str, data: bytes) -> tuple[npt.NDArray[np.int64], npt
     return values[:, 0].copy(), values[:, 1].copy()
 
 
-def _build_index(
-    rec_path: str, idx_path: str, rec_size: int
-) -> _Index:
+def _build_index(rec_path: str, idx_path: str, rec_size: int) -> _Index:
     try:
         with open(idx_path, "rb") as f:
             data = f.read()
     except FileNotFoundError as err:
-        raise FileNotFoundError(
-            err.errno, f"index file of {rec_path} not found", idx_path
-        ) from None
+        raise FileNotFoundError(err.errno, f"index file of {rec_path} not found", idx_path) from None
     return index_from_bytes(rec_path, idx_path, data, rec_size)
 
 
@@ -139,8 +134,7 @@ def index_from_arrays(
     if beyond.any():
         pos = int(np.argmax(beyond))
         raise fail(
-            f"the .idx offset is past the end of the record file ({rec_size} bytes)"
-            f" (listed in {idx_path})",
+            f"the .idx offset is past the end of the record file ({rec_size} bytes) (listed in {idx_path})",
             rec_path,
             int(keys[pos]),
             int(offsets[pos]),
@@ -255,9 +249,7 @@ class IndexedRecordReader(ReaderBase, IndexedAccess):
 
     def __init__(self, path: StrPath, idx_path: StrPath | None = None) -> None:
         self._open_handle(path)
-        self.idx_path = (
-            default_idx_path(self.path) if idx_path is None else os.fsdecode(os.fspath(idx_path))
-        )
+        self.idx_path = default_idx_path(self.path) if idx_path is None else os.fsdecode(os.fspath(idx_path))
         self._index = _build_index(self.path, self.idx_path, self._handle.size)
 
     def _read_position(self, p: int) -> bytes:

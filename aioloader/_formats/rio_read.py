@@ -68,12 +68,9 @@ def read_record(
                     if from_index
                     else "no record header here"
                 )
-                raise fail(
-                    f"bad magic 0x{magic:08x} (expected 0x{MAGIC:08x}): {what}", path, key, offset
-                )
+                raise fail(f"bad magic 0x{magic:08x} (expected 0x{MAGIC:08x}): {what}", path, key, offset)
             raise fail(
-                f"bad magic 0x{magic:08x} in the continuation part at byte {pos} "
-                f"(expected 0x{MAGIC:08x})",
+                f"bad magic 0x{magic:08x} in the continuation part at byte {pos} (expected 0x{MAGIC:08x})",
                 path,
                 key,
                 offset,
@@ -114,8 +111,7 @@ def read_record(
     payload = pieces[0] if len(pieces) == 1 else b"".join(pieces)
     if len(payload) > MAX_RECORD_SIZE:
         raise fail(
-            f"record of {len(payload)} bytes is longer than the format allows "
-            f"({MAX_RECORD_SIZE} bytes)",
+            f"record of {len(payload)} bytes is longer than the format allows ({MAX_RECORD_SIZE} bytes)",
             path,
             key,
             offset,
@@ -201,9 +197,7 @@ class RecordReader(ReaderBase):
                 window.fd = fd  # the same unless this generator crossed a fork
                 if pos >= handle.size and pos >= handle.refresh_size(fd):
                     return
-                payload, end = read_record(
-                    window, pos, path=self.path, key=ordinal, from_index=False
-                )
+                payload, end = read_record(window, pos, path=self.path, key=ordinal, from_index=False)
                 # Records are handed out one at a time, so a thread that closes the reader
                 # between two of them only waits for the current one.
             finally:
@@ -222,9 +216,7 @@ class RecordReader(ReaderBase):
                 if pos >= handle.size and pos >= handle.refresh_size(fd):
                     return None
                 window = Window(handle, fd, pos, b"", 0)
-                payload, end = read_record(
-                    window, pos, path=self.path, key=self._ordinal, from_index=False
-                )
+                payload, end = read_record(window, pos, path=self.path, key=self._ordinal, from_index=False)
             finally:
                 handle.release()
             self._cursor = end

@@ -190,7 +190,10 @@ class RemoteRecordFile(IndexedAccess, Closing):
     """
 
     def __init__(
-        self, url: str, idx_path: str | os.PathLike[str] | None = None, store_options: dict[str, Any] | None = None
+        self,
+        url: str,
+        idx_path: str | os.PathLike[str] | None = None,
+        store_options: dict[str, Any] | None = None,
     ) -> None:
         options = dict(store_options or {})
         base, self.key = split_url(url)
@@ -228,8 +231,15 @@ class RemoteRecordFile(IndexedAccess, Closing):
 
     def __getstate__(self) -> dict[str, Any]:
         index = self._index
-        return {"path": self.path, "idx_path": self.idx_path, "key": self.key, "store": self.store,
-                "size": self.size, "keys": index.keys, "offsets": index.offsets}
+        return {
+            "path": self.path,
+            "idx_path": self.idx_path,
+            "key": self.key,
+            "store": self.store,
+            "size": self.size,
+            "keys": index.keys,
+            "offsets": index.offsets,
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.path, self.idx_path, self.key = state["path"], state["idx_path"], state["key"]

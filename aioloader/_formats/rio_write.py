@@ -112,9 +112,7 @@ class RecordWriter(Closing):
         if self._sink.file.closed:
             raise ValueError(f"write to a closed record writer: {self.path}")
         if os.getpid() != self._sink.pid:
-            raise RuntimeError(
-                f"{self.path}: a record writer cannot be used from a forked child process"
-            )
+            raise RuntimeError(f"{self.path}: a record writer cannot be used from a forked child process")
 
     def write(self, payload: Buffer) -> int:
         """Append one record; return the byte offset of its first header.
@@ -188,9 +186,7 @@ class IndexedRecordWriter(RecordWriter):
 
     def __init__(self, path: StrPath, idx_path: StrPath | None = None) -> None:
         super().__init__(path)
-        self.idx_path = (
-            default_idx_path(self.path) if idx_path is None else os.fsdecode(os.fspath(idx_path))
-        )
+        self.idx_path = default_idx_path(self.path) if idx_path is None else os.fsdecode(os.fspath(idx_path))
         try:
             self._idx_sink = _Sink(self.idx_path)
         except BaseException:

@@ -30,9 +30,7 @@ def _resample(name: str) -> Image.Resampling:
     try:
         return _RESAMPLE[name]
     except KeyError:
-        raise ValueError(
-            f"interpolation must be one of {sorted(_RESAMPLE)}, got {name!r}"
-        ) from None
+        raise ValueError(f"interpolation must be one of {sorted(_RESAMPLE)}, got {name!r}") from None
 
 
 def _pair(size: int | Sequence[int], name: str) -> tuple[int, int]:
@@ -260,9 +258,7 @@ class ToArray:
         elif isinstance(img, np.ndarray):
             arr = np.array(img, copy=True)
         else:
-            raise TypeError(
-                f"expected a PIL.Image.Image or a numpy array, got {type(img).__name__}"
-            )
+            raise TypeError(f"expected a PIL.Image.Image or a numpy array, got {type(img).__name__}")
         if arr.ndim == 2:
             arr = arr[:, :, None]
         if arr.ndim != 3:
@@ -289,15 +285,11 @@ class Normalize:
     of channels does not match ``mean``.
     """
 
-    def __init__(
-        self, mean: Sequence[float], std: Sequence[float], *, channel_axis: int = 0
-    ) -> None:
+    def __init__(self, mean: Sequence[float], std: Sequence[float], *, channel_axis: int = 0) -> None:
         self.mean = np.asarray(mean, dtype=np.float32).ravel()
         self.std = np.asarray(std, dtype=np.float32).ravel()
         if self.mean.size == 0 or self.mean.shape != self.std.shape:
-            raise ValueError(
-                f"mean and std must be non-empty and of the same length, got {mean!r}, {std!r}"
-            )
+            raise ValueError(f"mean and std must be non-empty and of the same length, got {mean!r}, {std!r}")
         if np.any(self.std == 0):
             raise ValueError(f"std must not contain zeros, got {std!r}")
         self.channel_axis = int(channel_axis)

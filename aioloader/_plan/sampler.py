@@ -114,7 +114,9 @@ class _ComputedOrder:
     """Rank ``rank``'s part of epoch order: global position ``rank + world * p``, taken
     modulo ``n`` (``pad`` wraps to the start) and shuffled when ``shuffle`` is given."""
 
-    def __init__(self, n: int, rank: int, world: int, policy: ShardPolicy, shuffle: IndexShuffle | None) -> None:
+    def __init__(
+        self, n: int, rank: int, world: int, policy: ShardPolicy, shuffle: IndexShuffle | None
+    ) -> None:
         self.n, self.rank, self.world = n, rank, world
         self.count = shard_count(n, rank, world, policy)
         self.wraps = world > 1 and policy == "pad" and self.count * world > n

@@ -49,7 +49,15 @@ from . import _names
 from ._mapping import _lib, _Mapping, bytes_at
 from ._names import PREFIX, _unlink, enlarge_advice
 
-__all__ = ["MIN_SHARED_BYTES", "SHARE_ENV", "DataSegment", "SharedPayload", "collector", "share", "sharing_enabled"]
+__all__ = [
+    "MIN_SHARED_BYTES",
+    "SHARE_ENV",
+    "DataSegment",
+    "SharedPayload",
+    "collector",
+    "share",
+    "sharing_enabled",
+]
 
 MIN_SHARED_BYTES = 1 << 20  # smaller arrays cost less pickled than a page-aligned span
 # glibc serves allocations this large with mmap whatever its dynamic threshold has grown
@@ -134,7 +142,9 @@ class DataSegment:
         self.spans = tuple(spans)
         self.name = f"{PREFIX}{os.getpid()}_{os.getpid()}_{_nonce}_d{next(_seq)}"
         self._check_room()
-        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+        flags = (
+            os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+        )
         fd = os.open(_names.path(self.name), flags, 0o600)
         self._finalizer = weakref.finalize(self, _unlink, self.name)
         try:
@@ -166,7 +176,9 @@ class DataSegment:
             )
 
     def envelope(self, inband: bytes) -> bytes:
-        return pickle.dumps(SharedPayload(self.name, self.size, self.spans, inband), protocol=pickle.HIGHEST_PROTOCOL)
+        return pickle.dumps(
+            SharedPayload(self.name, self.size, self.spans, inband), protocol=pickle.HIGHEST_PROTOCOL
+        )
 
     def unlink(self) -> None:
         self._finalizer()
@@ -242,7 +254,12 @@ def _adopt(fd: int, addr: int, n: int, offset: int) -> None:
     if stop <= start:
         return
     got = _lib().mmap(
-        start, stop - start, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | _MAP_FIXED, fd, offset + skip
+        start,
+        stop - start,
+        mmap.PROT_READ | mmap.PROT_WRITE,
+        mmap.MAP_PRIVATE | _MAP_FIXED,
+        fd,
+        offset + skip,
     )
     if got != start:  # never seen: MAP_FIXED either maps there or fails with ENOMEM
         err = ctypes.get_errno()

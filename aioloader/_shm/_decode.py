@@ -58,7 +58,9 @@ def _attach(name: str, worker_pid: int) -> _CSlab:
         slab = _slabs.get(name)
         if slab is not None:
             return slab
-        fd = os.open(_names.path(name), os.O_RDWR | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
+        fd = os.open(
+            _names.path(name), os.O_RDWR | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+        )
         try:
             mapping, state = map_file(fd, populate=False)
         finally:
@@ -112,7 +114,9 @@ def land(name: str, ticket: int, used: int, retired: tuple[str, ...], pid: int) 
     return landing
 
 
-def view(landing: _Landing, offset: int, shape: tuple[int, ...], dtype: np.dtype[Any], fortran: bool, tensor: bool) -> Any:
+def view(
+    landing: _Landing, offset: int, shape: tuple[int, ...], dtype: np.dtype[Any], fortran: bool, tensor: bool
+) -> Any:
     """Unpickles one leaf: the array (or, for a torch leaf, the tensor) viewing the slab.
     ``None`` if the slab could not be had; the decoder raises why."""
     if landing.raw is None:

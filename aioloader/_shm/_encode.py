@@ -56,7 +56,9 @@ class _Leaf:
     __slots__ = ("dtype", "fortran", "offset", "ref", "shape", "source")
     tensor = False
 
-    def __init__(self, source: Any, shape: tuple[int, ...], dtype: np.dtype[Any], fortran: bool = False) -> None:
+    def __init__(
+        self, source: Any, shape: tuple[int, ...], dtype: np.dtype[Any], fortran: bool = False
+    ) -> None:
         self.source = source
         self.shape = shape
         self.dtype = dtype
@@ -149,7 +151,9 @@ class _Deferring(Stacker):
         self.leaves.append(_Rows(samples, full, dtype))
         return self.leaves[-1]
 
-    def array_tensor(self, samples: Sequence[np.ndarray], shape: tuple[int, ...], dtype: np.dtype[Any]) -> Any:
+    def array_tensor(
+        self, samples: Sequence[np.ndarray], shape: tuple[int, ...], dtype: np.dtype[Any]
+    ) -> Any:
         full = (len(samples), *shape)
         if not self._large(full, dtype):
             return super().array_tensor(samples, shape, dtype)
@@ -165,13 +169,17 @@ class _Deferring(Stacker):
         dtype = _numpy_dtype(torch, functools.reduce(torch.promote_types, (s.dtype for s in samples)))
         # Only what torch.stack turns into a plain, contiguous CPU tensor equal to its
         # own bytes; anything else (autograd, other devices, subclasses) is stacked here.
-        if dtype is None or not self._large(full, dtype) or not all(
-            type(s) is torch.Tensor
-            and s.device.type == "cpu"
-            and s.layout == torch.strided
-            and not s.requires_grad
-            and s.is_contiguous()
-            for s in samples
+        if (
+            dtype is None
+            or not self._large(full, dtype)
+            or not all(
+                type(s) is torch.Tensor
+                and s.device.type == "cpu"
+                and s.layout == torch.strided
+                and not s.requires_grad
+                and s.is_contiguous()
+                for s in samples
+            )
         ):
             return super().tensors(samples)
         self.leaves.append(_TensorRows(samples, full, dtype))

@@ -59,7 +59,9 @@ class _Mapping:
     __slots__ = ("__weakref__", "addr", "size")
 
     def __init__(self, fd: int, size: int, *, populate: bool, private: bool = False) -> None:
-        flags = (mmap.MAP_PRIVATE if private else mmap.MAP_SHARED) | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+        flags = (mmap.MAP_PRIVATE if private else mmap.MAP_SHARED) | (
+            getattr(mmap, "MAP_POPULATE", 0) if populate else 0
+        )
         addr = _lib().mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, 0)
         if addr is None or addr == ctypes.c_void_p(-1).value:
             err = ctypes.get_errno()
@@ -98,7 +100,9 @@ def align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def typed(raw: npt.NDArray[np.uint8], offset: int, shape: tuple[int, ...], dtype: np.dtype[Any], fortran: bool) -> Any:
+def typed(
+    raw: npt.NDArray[np.uint8], offset: int, shape: tuple[int, ...], dtype: np.dtype[Any], fortran: bool
+) -> Any:
     """The array of ``shape`` and ``dtype`` stored at ``offset`` of the raw bytes ``raw``
     (a view: its ``base`` chain keeps ``raw``'s owner alive)."""
     n = math.prod(shape) * dtype.itemsize
