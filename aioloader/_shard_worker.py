@@ -80,9 +80,25 @@ def run_shard(task: ShardTask) -> ShardResult | str:
             _send(sock, ("hello", task.task_id, os.getpid()))
         except OSError:  # the consumer's run is over (or its socket cannot be reached)
             return ShardResult(None, -1, os.getpid(), 0, 0)
-        return _worker.run_task(task, functools.partial(_build, sock), ShardResult)
+        try:
+            return _worker.run_task(task, functools.partial(_build, sock), ShardResult)
+        finally:
+            _hang_up(sock)
     finally:
         sock.close()
+
+
+def _hang_up(sock: socket.socket) -> None:
+    """End the connection so that the consumer reads every frame sent: say "no more"
+    (the consumer answers by closing its side), and read, discarding them, the credits
+    that came meanwhile. Closing at once could reset the connection (unread credits) or
+    fail the consumer's next credit write, and either may drop frames it has not read."""
+    try:
+        sock.shutdown(socket.SHUT_WR)
+        while sock.recv(4096):
+            pass
+    except OSError:
+        pass
 
 
 def _where(task: ShardTask, j: int) -> str:
@@ -125,16 +141,22 @@ def _build(sock: socket.socket, ctx: _worker.WorkerContext, task: ShardTask) -> 
                 raise
     n = 0
     limit = 0
+    batches = _batches(ctx, task)
     try:
-        for j, samples in enumerate(_batches(ctx, task)):
-            n = j + 1
-            if j < task.skip:
-                continue
-            while j >= limit:
+        for j in itertools.count():
+            # The credit first: no sample of batch j is read before the consumer's
+            # window has room for it (the end of the iteration is found the same way).
+            while j >= task.skip and j >= limit:
                 got = _recv_credit(sock)
                 if got is None:  # the consumer closed the connection: the run is over
                     return None, n
                 limit = got
+            samples = next(batches, None)
+            if samples is None:
+                break
+            n = j + 1
+            if j < task.skip:
+                continue
             try:
                 batch = ctx.collate_fn(samples[0] if ctx.unbatched else samples)
                 if ctx.encode is not None:

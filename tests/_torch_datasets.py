@@ -88,3 +88,85 @@ class CountingIterable(torch.utils.data.IterableDataset):  # type: ignore[type-a
 
     def __iter__(self) -> Any:
         return iter(range(3))
+
+
+class ShardedRange(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+    """``0..n-1``, split between the workers by ``get_worker_info()`` as torch's docs show;
+    samples ``(tensor([i.]), i)``. ``log``: a file each sample's index is appended to as
+    it is produced; ``fail_at``: raise ``ValueError`` instead of producing that sample;
+    ``kill_at``: SIGKILL the worker at that sample, once (``marker`` says it happened)."""
+
+    def __init__(
+        self,
+        n: int,
+        *,
+        log: str | None = None,
+        fail_at: int | None = None,
+        kill_at: int | None = None,
+        marker: str | None = None,
+        block_at: int | None = None,
+        has_len: bool = True,
+    ) -> None:
+        self.n = n
+        self.log = log
+        self.fail_at = fail_at
+        self.kill_at = kill_at
+        self.marker = marker
+        self.block_at = block_at
+        self.has_len = has_len
+
+    def __len__(self) -> int:
+        if not self.has_len:
+            raise TypeError("ShardedRange(has_len=False) has no len()")
+        return self.n
+
+    def __iter__(self) -> Any:
+        import os
+        import signal
+        import threading
+
+        info = torch.utils.data.get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
+        for i in range(wid, self.n, nw):
+            if i == self.fail_at:
+                raise ValueError(f"sample {i} is bad")
+            if i == self.kill_at and self.marker is not None and not os.path.exists(self.marker):
+                open(self.marker, "w").close()
+                os.kill(os.getpid(), signal.SIGKILL)
+            if i == self.block_at:
+                threading.Event().wait()  # stuck for good: only a timeout ends it
+            if self.log is not None:
+                with open(self.log, "a") as f:
+                    f.write(f"{i}\n")
+            yield torch.tensor([float(i)]), i
+
+
+class WorkerReport(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+    """Each worker yields ``per_worker`` samples describing itself: torch's worker info
+    and a draw from each global generator."""
+
+    def __init__(self, per_worker: int = 2) -> None:
+        self.per_worker = per_worker
+        self.init_ids: list[int] = []
+
+    def __iter__(self) -> Any:
+        import os
+        import random
+
+        info = torch.utils.data.get_worker_info()
+        for _ in range(self.per_worker):
+            yield {
+                "id": info.id if info else -1,
+                "num_workers": info.num_workers if info else 0,
+                "seed": info.seed if info else -1,
+                "dataset_is_self": info is not None and info.dataset is self,
+                "init_ids": list(info.dataset.init_ids) if info else [],
+                "draws": (random.random(), float(np.random.rand()), float(torch.rand(1))),
+                "pid": os.getpid(),
+            }
+
+
+def record_init(worker_id: int) -> None:
+    """A worker_init_fn that records its id on the worker's copy of the dataset."""
+    info = torch.utils.data.get_worker_info()
+    info.dataset.init_ids.append(worker_id)

@@ -26,7 +26,6 @@ raises :class:`~aioloader.LoaderTimeout`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import pickle
 import shutil
@@ -119,7 +118,7 @@ class _Shard:
         self.ended: int | None = None  # how many batches the shard had, once known
         self.failure: BaseException | None = None
         self.task_id = 0  # the current attempt's
-        self.writer: asyncio.StreamWriter | None = None
+        self.connection: _Connection | None = None  # the current attempt's, once it said hello
         self.pid = 0
         self.owing_since: int | None = None  # monotonic ns since it owes a batch it has credit for
         self.driver: asyncio.Task[None] | None = None
@@ -148,12 +147,11 @@ class _Shard:
     def grant(self, limit: int) -> None:
         if limit <= self.granted:
             return
-        if self.granted <= self.received and self.writer is not None:
+        if self.granted <= self.received and self.connection is not None:
             self.owing_since = time.monotonic_ns()
         self.granted = limit
-        if self.writer is not None:
-            with contextlib.suppress(Exception):
-                self.writer.write(_shard_worker.CREDIT.pack(limit))
+        if self.connection is not None:
+            self.connection.send_credit(limit)
 
     def arrived(self, j: int, n: int, data: Any) -> None:
         if j < self.received or j in self.frames:
@@ -227,9 +225,9 @@ class ShardSource:
         self._dir = ""
         self.address = ""
         self._server: asyncio.AbstractServer | None = None
-        self._readers: set[asyncio.Task[None]] = set()
+        self.connections: set[_Connection] = set()
         self._watchdog: asyncio.Task[None] | None = None
-        self._closed = False
+        self.closing = False
 
     def shard_seed(self, shard: int) -> int:
         """``get_worker_info().seed`` of ``shard`` in this epoch; it also seeds the
@@ -239,7 +237,8 @@ class ShardSource:
     async def _start(self) -> None:
         self._dir = tempfile.mkdtemp(prefix="aioloader-shards-")
         self.address = os.path.join(self._dir, "s")
-        self._server = await asyncio.start_unix_server(self._connected, path=self.address)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_unix_server(lambda: _Connection(self), path=self.address)
         for sh in self.shards:
             if sh.ended is None:
                 sh.driver = asyncio.get_running_loop().create_task(self._drive(sh))
@@ -247,7 +246,7 @@ class ShardSource:
             self._watchdog = asyncio.get_running_loop().create_task(self._watch(self.timeout))
 
     async def next_unit(self) -> ShardUnit | None:
-        if self._server is None and not self._closed:
+        if self._server is None and not self.closing:
             await self._start()
         for _ in range(self.num_shards):
             s = self._turn
@@ -290,39 +289,6 @@ class ShardSource:
         await sh.read_to_end(sh.task_id)
         sh.settle(res.batches, None)
 
-    async def _connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        if task is not None:
-            self._readers.add(task)
-        sh: _Shard | None = None
-        try:
-            hello = await _read_frame(reader)
-            if hello is None or hello[0] != "hello":
-                return
-            task_id, pid = hello[1], hello[2]
-            sh = next((x for x in self.shards if x.task_id == task_id), None)
-            if sh is None or sh.ended is not None or self._closed:
-                return
-            sh.writer, sh.pid = writer, pid
-            if sh.granted > sh.received:
-                sh.owing_since = time.monotonic_ns()
-            writer.write(_shard_worker.CREDIT.pack(sh.granted))
-            while True:
-                msg = await _read_frame(reader)
-                if msg is None:
-                    return  # how the shard ended is its task's result (the driver settles it)
-                _, j, n, data = msg
-                sh.arrived(j, n, data)
-        finally:
-            if sh is not None:
-                if sh.writer is writer:
-                    sh.writer = None
-                sh.read_out.add(task_id)
-                sh.changed.set()
-            writer.close()
-            if task is not None:
-                self._readers.discard(task)
-
     async def _watch(self, timeout: float) -> None:
         limit = int(timeout * 1e9)
         while True:
@@ -330,42 +296,103 @@ class ShardSource:
             now = time.monotonic_ns()
             for sh in self.shards:
                 since = sh.owing_since
-                if since is not None and now - since > limit and sh.writer is not None:
+                if since is not None and now - since > limit and sh.connection is not None:
                     sh.owing_since = None
                     await self.dispatcher.expire(sh.task_id)
 
     async def aclose(self) -> None:
         """Close every connection (each shard task ends at its next credit wait or
         send), stop the drivers and remove the socket."""
-        if self._closed:
+        if self.closing:
             return
-        self._closed = True
+        self.closing = True
+        if self._server is not None:
+            self._server.close()
         pending: list[asyncio.Task[Any]] = [*self.dispatcher.stop()]
         if self._watchdog is not None:
             pending.append(self._watchdog)
+        for conn in list(self.connections):
+            conn.close()
         for sh in self.shards:
-            if sh.writer is not None:
-                sh.writer.close()
             if sh.driver is not None and not sh.driver.done():
                 pending.append(sh.driver)
-        pending.extend(self._readers)
         for t in pending:
             t.cancel()
         if pending:
             await asyncio.gather(*pending, return_exceptions=True)
         if self._server is not None:
-            self._server.close()
+            await self._server.wait_closed()
         if self._dir:
             shutil.rmtree(self._dir, ignore_errors=True)
 
 
-async def _read_frame(reader: asyncio.StreamReader) -> tuple[Any, ...] | None:
-    """The next message of a shard's connection, or ``None`` at its end (a half-written
-    last frame included: its worker died while writing it)."""
-    try:
-        head = await reader.readexactly(_shard_worker.FRAME_LENGTH.size)
-        body = await reader.readexactly(_shard_worker.FRAME_LENGTH.unpack(head)[0])
-    except (asyncio.IncompleteReadError, ConnectionError):
-        return None
-    message: tuple[Any, ...] = pickle.loads(body)
-    return message
+class _Connection(asyncio.Protocol):
+    """One shard task's connection: frames in, credits out.
+
+    A protocol rather than a stream reader, because of how such a connection ends: a
+    worker that closes its socket with credits it never read (those for batches past its
+    end) resets the connection, and a stream reader would then raise before handing out
+    the frames already buffered. Here every frame is handled as its bytes arrive, and
+    :meth:`connection_lost` comes after all of them."""
+
+    def __init__(self, source: ShardSource) -> None:
+        self.source = source
+        self.buf = bytearray()
+        self.shard: _Shard | None = None
+        self.task_id = 0
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's is no asyncio.Transport subclass
+        if self.source.closing:
+            transport.close()
+            return
+        self.source.connections.add(self)
+
+    def data_received(self, data: bytes) -> None:
+        buf = self.buf
+        buf += data
+        head = _shard_worker.FRAME_LENGTH.size
+        while len(buf) >= head:
+            end = head + _shard_worker.FRAME_LENGTH.unpack_from(buf)[0]
+            if len(buf) < end:
+                return
+            message = pickle.loads(memoryview(buf)[head:end])
+            del buf[:end]
+            self._handle(message)
+
+    def _handle(self, message: tuple[Any, ...]) -> None:
+        if message[0] == "batch":
+            if self.shard is not None:
+                _, j, n, data = message
+                self.shard.arrived(j, n, data)
+            return
+        # ("hello", task_id, pid): which shard task this is
+        task_id, pid = message[1], message[2]
+        sh = next((x for x in self.source.shards if x.task_id == task_id), None)
+        if sh is None or sh.ended is not None or self.source.closing:
+            self.close()
+            return
+        self.shard, self.task_id = sh, task_id
+        sh.connection, sh.pid = self, pid
+        if sh.granted > sh.received:
+            sh.owing_since = time.monotonic_ns()
+        self.send_credit(sh.granted)
+
+    def send_credit(self, limit: int) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(_shard_worker.CREDIT.pack(limit))
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        # What the shard task ended with is its result (the driver settles the shard).
+        self.source.connections.discard(self)
+        sh = self.shard
+        if sh is not None:
+            if sh.connection is self:
+                sh.connection = None
+            sh.read_out.add(self.task_id)
+            sh.changed.set()
