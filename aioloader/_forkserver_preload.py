@@ -13,6 +13,6 @@ from __future__ import annotations
 
 import signal
 
-from . import _reply, _stream_worker, _worker  # noqa: F401  (preloaded for the workers)
+from . import _reply, _shard_worker, _stream_worker, _worker  # noqa: F401  (preloaded for the workers)
 
 signal.signal(signal.SIGINT, signal.SIG_IGN)

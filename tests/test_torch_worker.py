@@ -195,13 +195,15 @@ def test_batch_size_none_refuses_batching_arguments(kwargs: dict[str, Any], name
         aioloader.DataLoader(RangeDataset(3), batch_size=None, **kwargs)
 
 
-def test_iterable_dataset_is_refused_by_name() -> None:
+def test_iterable_dataset_with_len_is_iterated_not_indexed() -> None:
     """Regression: one with __len__ passed validation, then failed at sample 0 with
-    NotImplementedError (the __getitem__ torch's Dataset defines)."""
+    NotImplementedError (the __getitem__ torch's Dataset defines). It is iterated now
+    (tests/test_iterable_dataset.py has the rest)."""
     from ._torch_datasets import CountingIterable
 
-    with pytest.raises(TypeError, match=r"torch IterableDataset \(CountingIterable\).*StreamLoader"):
-        aioloader.DataLoader(CountingIterable(), 2)
+    with aioloader.DataLoader(CountingIterable(), 2) as loader:
+        assert len(loader) == 2
+        assert [b.tolist() for b in loader] == [[0, 1], [2]]
 
 
 def test_batch_size_none_resumes_mid_epoch() -> None:
