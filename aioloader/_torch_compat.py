@@ -8,6 +8,7 @@ argument needs it, so a loader that uses none of them never imports torch.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import sys
 import warnings
 from collections.abc import Callable
@@ -15,9 +16,17 @@ from dataclasses import dataclass
 from multiprocessing.context import BaseContext
 from typing import Any
 
+from ._pool import concurrency_of
 from ._validate import check_bool, check_int, resolve_context
 
-__all__ = ["PinningPass", "TorchArgs", "pin_tensors", "resolve_torch_args", "seed_from_generator"]
+__all__ = [
+    "PinningPass",
+    "TorchArgs",
+    "pin_tensors",
+    "resolve_torch_args",
+    "seed_from_generator",
+    "workers_of",
+]
 
 _SEED_MASK = (1 << 63) - 1
 
@@ -152,3 +161,13 @@ class PinningPass:
 
     async def finish(self) -> None:
         await self.inner.finish()
+
+
+def workers_of(num_workers: Any, pool: Any, executor: Any) -> Any:
+    """The worker count torch's keywords are checked against: a shared pool's or a
+    borrowed executor's, when one is given (``num_workers`` is ignored then)."""
+    if pool is not None:
+        return pool.concurrency if pool.kind != "thread" else 0
+    if isinstance(executor, cf.Executor):
+        return concurrency_of(executor)
+    return num_workers

@@ -30,8 +30,8 @@ from ._engine.resume import Resumable
 from ._engine.run import Run, RunConfig
 from ._facade import IterableLoader, Lifecycle, Pass
 from ._plan.sampler import BatchPlanner, EpochPlan, LastBatch, ShardPolicy, dataset_length
-from ._pool import WorkerPool, concurrency_of
-from ._torch_compat import PinningPass, resolve_torch_args
+from ._pool import WorkerPool
+from ._torch_compat import PinningPass, resolve_torch_args, workers_of
 from ._transport import TransportKind
 from ._types import Batch, BatchSampler, CollateFn, MapDataset, Sampler
 from ._validate import (
@@ -57,13 +57,14 @@ _FROZEN = frozenset(
 class DataLoader(IterableLoader, Resumable, Generic[Batch]):
     """Batches from a map-style dataset, built by a persistent pool of workers.
 
-    Iterate with ``for batch in loader`` or ``async for batch in loader``: both run the
-    same asyncio scheduler (the first on a private loop in a background thread, the
-    second on the caller's loop, which it never blocks).
+    Iterate with ``for batch in loader`` (on a private loop in a background thread) or
+    ``async for batch in loader`` (on the caller's loop, which it never blocks).
 
     Args:
-        dataset: any object with ``__len__`` and ``__getitem__(int)`` (a torch
-            ``Dataset`` works). With workers it must pickle; it is sent to each worker once.
+        dataset: any object with ``__len__`` and ``__getitem__(int)`` (a torch ``Dataset``
+            works), or a torch ``IterableDataset``, which each worker iterates as in torch
+            (see :doc:`migrating-from-torch`). With workers it must pickle; it is sent to
+            each worker once.
         batch_size: samples per batch. ``None``: no automatic batching, as in torch: each
             sample is a batch of its own, given alone (not in a list) to ``collate_fn``,
             whose default is then :func:`~aioloader.default_convert`. Excludes
@@ -89,24 +90,20 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
             now, reported in ``stats().settings``).
         timeout: seconds a batch may take from the moment a worker starts it; on expiry
             :class:`~aioloader.LoaderTimeout` is raised and the worker is killed. ``None``
-            or ``0`` (torch's default) means no timeout.
+            or ``0`` (torch's default): none.
         worker_init_fn: called once in each worker with the worker's id.
         mp_context: start method name or context (default ``forkserver``, else ``spawn``).
-        seed: seeds the shuffle and every sample's randomness; ``None`` draws one
-            (readable as ``loader.seed``).
-        ordered: deliver batches in sampler order (``True``, the default) or as they
-            complete.
+        seed: seeds the shuffle and the samples' randomness; ``None`` draws one (``loader.seed``).
+        ordered: deliver batches in sampler order (``True``, the default) or as they complete.
         on_error: ``"raise"`` the first exception from the dataset, or ``"skip"`` the
             failing samples (counted; see ``max_skipped``).
-        max_skipped: with ``on_error="skip"``, raise once more samples than this failed
-            in one epoch (default: no limit).
+        max_skipped: with ``on_error="skip"``, raise once more than this failed in an epoch.
         max_retries: resubmissions of a batch whose worker died while building it.
         shard: ``(rank, world_size)`` for data-parallel training.
         shard_policy: ``"pad"``, ``"drop"`` or ``"uneven"`` (see :doc:`determinism`).
         transport: ``"auto"``, ``"shm"`` or ``"pickle"``.
         pool: a :class:`~aioloader.WorkerPool` to share with other loaders.
-        executor: any ``concurrent.futures.Executor`` to run batches on (never shut down
-            by the loader).
+        executor: any ``concurrent.futures.Executor`` to run batches on (never shut down).
         prefetch_next_epoch: start building the next epoch's first batches while the
             current epoch's last ones are in flight (within the same ``prefetch`` bound).
         seed_samples: how ``random``, numpy's and torch's global generators are seeded
@@ -116,8 +113,7 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
             at all. :func:`~aioloader.sample_rng` is seeded per sample in every mode.
             Threads of one process share the global generators, so on a thread executor
             seeded batches build one at a time; ``False`` lets threads overlap.
-        trace: write a Chrome trace-event file here when the loader closes (see
-            :meth:`tracing` to trace a part of a run).
+        trace: write a Chrome trace-event file here when the loader closes (or :meth:`tracing`).
         prefetch_factor: torch's spelling of ``prefetch``, per worker: ``prefetch =
             prefetch_factor * num_workers``. Needs ``num_workers > 0``; excludes ``prefetch``.
         persistent_workers: accepted for torch compatibility and has no effect: the
@@ -209,7 +205,7 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
         batch_size = 1 if batch_size is None else check_int("batch_size", batch_size, 1)
         shuffle = check_bool("shuffle", shuffle)
         torch_args = resolve_torch_args(
-            num_workers=_workers_of(num_workers, pool, executor), prefetch=prefetch, prefetch_factor=prefetch_factor,
+            num_workers=workers_of(num_workers, pool, executor), prefetch=prefetch, prefetch_factor=prefetch_factor,
             ordered=ordered, in_order=in_order, seed=seed, generator=generator,
             mp_context=mp_context, multiprocessing_context=multiprocessing_context,
             persistent_workers=persistent_workers, pin_memory=pin_memory, pin_memory_device=pin_memory_device,
@@ -452,13 +448,3 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
 def _plan_ahead(planner: BatchPlanner, dataset: Any, epoch: int, carry: np.ndarray) -> EpochPlan:
     # The next epoch built ahead of time; _begin discards it if the length changed meanwhile.
     return planner.plan(epoch, carry, dataset_length(dataset))
-
-
-def _workers_of(num_workers: Any, pool: WorkerPool | None, executor: Any) -> Any:
-    """The worker count torch's keywords are checked against: a shared pool's or a
-    borrowed executor's, when one is given (``num_workers`` is ignored then)."""
-    if pool is not None:
-        return pool.concurrency if pool.kind != "thread" else 0
-    if isinstance(executor, cf.Executor):
-        return concurrency_of(executor)
-    return num_workers

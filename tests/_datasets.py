@@ -105,7 +105,9 @@ class CrashDataset(RangeDataset):
     crash, so a test can wait on it.
     """
 
-    def __init__(self, n: int, crash_at: set[int], marker_dir: str, always: bool = False, how: str = "kill") -> None:
+    def __init__(
+        self, n: int, crash_at: set[int], marker_dir: str, always: bool = False, how: str = "kill"
+    ) -> None:
         super().__init__(n)
         self.crash_at = set(crash_at)
         self.marker_dir = marker_dir

@@ -68,7 +68,9 @@ def make_app(root: Path) -> web.Application:
         if state.hold and state.peak >= state.hold:
             state.peak_reached.set()
         try:
-            latency = float(request.query.get("latency_ms") or request.headers.get("X-Latency-Ms") or state.latency_ms)
+            latency = float(
+                request.query.get("latency_ms") or request.headers.get("X-Latency-Ms") or state.latency_ms
+            )
             if state.hold and not state.peak_reached.is_set():
                 await _wait(state.peak_reached, 10.0)
             if latency:

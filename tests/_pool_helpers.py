@@ -79,7 +79,9 @@ class BigDataset:
     ``fifo`` (when given) just before it returns; sample ``marked``, the first time it
     is loaded, writes its worker's pid to ``marker`` (atomically) just before."""
 
-    def __init__(self, n: int, nbytes: int, fifo: str | None = None, marker: str | None = None, marked: int = -1) -> None:
+    def __init__(
+        self, n: int, nbytes: int, fifo: str | None = None, marker: str | None = None, marked: int = -1
+    ) -> None:
         self.n = n
         self.count = nbytes // 4
         self.fifo = fifo
@@ -155,13 +157,22 @@ def mid_send(nbytes: int, transport: str, face: str, marker: str) -> dict[str, A
 
     ds = BigDataset(6, nbytes, marker=marker, marked=2)
     killer = subprocess.Popen(
-        [sys.executable, "-m", "tests._pool_helpers", "kill-on-write", marker, str(nbytes if transport == "pickle" else 0)],
+        [
+            sys.executable,
+            "-m",
+            "tests._pool_helpers",
+            "kill-on-write",
+            marker,
+            str(nbytes if transport == "pickle" else 0),
+        ],
         stdout=subprocess.PIPE,
         text=True,
     )
     try:
         assert killer.stdout is not None and killer.stdout.readline() == "ready\n"
-        with aioloader.DataLoader(ds, 1, num_workers=2, transport=transport, collate_fn=first, timeout=30) as loader:
+        with aioloader.DataLoader(
+            ds, 1, num_workers=2, transport=transport, collate_fn=first, timeout=30
+        ) as loader:
             got = []
             for b in collect(loader, face):
                 got.append(int(b[0]))
@@ -181,8 +192,12 @@ def mid_send_main() -> None:
     pickled case is run again (up to three times) until its kill lands inside a write;
     a shared-memory batch is killed as soon as its last sample is loaded."""
     out = Path(sys.argv[2])
-    cases = [(8 << 20, "pickle", "for"), (8 << 20, "shm", "async-for"), (64 << 20, "pickle", "async-for"),
-             (64 << 20, "shm", "for")]
+    cases = [
+        (8 << 20, "pickle", "for"),
+        (8 << 20, "shm", "async-for"),
+        (64 << 20, "pickle", "async-for"),
+        (64 << 20, "shm", "for"),
+    ]
     for k, (nbytes, transport, face) in enumerate(cases):
         for attempt in range(3 if transport == "pickle" else 1):
             res = mid_send(nbytes, transport, face, str(out / f"marker-{k}-{attempt}"))
@@ -407,5 +422,9 @@ def child_exit_main() -> None:
 
 
 if __name__ == "__main__":
-    {"mid-send": mid_send_main, "kill-on-write": kill_on_write_main, "fork-child": fork_child_main,
-     "child-exit": child_exit_main}[sys.argv[1]]()
+    {
+        "mid-send": mid_send_main,
+        "kill-on-write": kill_on_write_main,
+        "fork-child": fork_child_main,
+        "child-exit": child_exit_main,
+    }[sys.argv[1]]()

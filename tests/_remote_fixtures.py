@@ -141,7 +141,9 @@ def s3(jpegs: dict[str, bytes]) -> Iterator[S3Server]:
     proc, port = _start("_s3_server.py")
     try:
         endpoint = f"http://127.0.0.1:{port}"
-        urllib.request.urlopen(urllib.request.Request(f"{endpoint}/{BUCKET}", method="PUT"), timeout=30).close()
+        urllib.request.urlopen(
+            urllib.request.Request(f"{endpoint}/{BUCKET}", method="PUT"), timeout=30
+        ).close()
         server = S3Server(
             endpoint,
             BUCKET,

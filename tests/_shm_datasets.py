@@ -157,7 +157,12 @@ def assert_same(a: Any, b: Any, path: str = "batch") -> None:
         else:
             assert a.tobytes(order="A") == b.tobytes(order="A"), path
     elif torch is not None and isinstance(a, torch.Tensor):
-        assert (a.dtype, a.shape, a.stride(), a.requires_grad) == (b.dtype, b.shape, b.stride(), b.requires_grad), path
+        assert (a.dtype, a.shape, a.stride(), a.requires_grad) == (
+            b.dtype,
+            b.shape,
+            b.stride(),
+            b.requires_grad,
+        ), path
         assert torch.equal(a, b), path
     elif isinstance(a, Mapping):
         assert list(a) == list(b), path
@@ -298,7 +303,9 @@ def build_samples(schema: Any, n: int, mutation: tuple[int, str, str] | None) ->
     return [_node(schema, pos, "", mutation) for pos in range(n)]
 
 
-def collate_built(encoder: _shm.ShmEncoder, schema: Any, n: int, mutation: tuple[int, str, str] | None) -> Any:
+def collate_built(
+    encoder: _shm.ShmEncoder, schema: Any, n: int, mutation: tuple[int, str, str] | None
+) -> Any:
     """:func:`collate_in_worker` on samples built here: tensors are made in the worker
     rather than sent to it (sending them would start torch's fd-sharing thread in the
     test process)."""

@@ -136,7 +136,9 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             '(pip install -e ".[dev]" installs torch==2.13.0)',
             pytrace=False,
         )
-    pytest.skip(f"torch is not installed (CI installs it only on Python {'.'.join(map(str, TORCH_REQUIRED_ON))})")
+    pytest.skip(
+        f"torch is not installed (CI installs it only on Python {'.'.join(map(str, TORCH_REQUIRED_ON))})"
+    )
 
 
 @pytest.fixture(autouse=True)

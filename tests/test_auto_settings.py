@@ -15,7 +15,9 @@ from aioloader import _cpus
 from ._datasets import RangeDataset
 
 
-def _cgroup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, files: dict[str, str], rel: str = "/a/b") -> Path:
+def _cgroup(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, files: dict[str, str], rel: str = "/a/b"
+) -> Path:
     """A fake /sys/fs/cgroup tree with ``files`` (path -> content), this process in ``rel``."""
     for name, text in files.items():
         path = tmp_path / name
@@ -34,8 +36,11 @@ def _cgroup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, files: dict[str, st
 
 def test_the_tightest_v2_quota_on_the_path_counts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_cpus, "_affinity", lambda: 8)
-    root = _cgroup(tmp_path, monkeypatch, {"cpu.max": "max 100000\n", "a/cpu.max": "250000 100000\n",
-                                           "a/b/cpu.max": "max 100000\n"})
+    root = _cgroup(
+        tmp_path,
+        monkeypatch,
+        {"cpu.max": "max 100000\n", "a/cpu.max": "250000 100000\n", "a/b/cpu.max": "max 100000\n"},
+    )
     n, why = _cpus.available_cpus(root)
     assert n == 3 and "quota of 2.5 CPUs" in why and "8 CPUs" in why
 
@@ -53,8 +58,11 @@ def test_affinity_bounds_a_larger_quota_and_no_quota_means_affinity(
 
 def test_a_v1_quota_is_read_when_there_is_no_v2_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_cpus, "_affinity", lambda: 16)
-    root = _cgroup(tmp_path, monkeypatch, {"cpu,cpuacct/cpu.cfs_quota_us": "150000\n",
-                                           "cpu,cpuacct/cpu.cfs_period_us": "100000\n"})
+    root = _cgroup(
+        tmp_path,
+        monkeypatch,
+        {"cpu,cpuacct/cpu.cfs_quota_us": "150000\n", "cpu,cpuacct/cpu.cfs_period_us": "100000\n"},
+    )
     assert _cpus.available_cpus(root)[0] == 2
     # a quota below one CPU still gets one worker
     (root / "cpu,cpuacct" / "cpu.cfs_quota_us").write_text("20000\n")

@@ -48,16 +48,34 @@ def test_entry_points(tmp_path: Path) -> None:
     script = re.search(r'^aioloader = "([^"]+)"$', (ROOT / "pyproject.toml").read_text(), re.M)
     assert script is not None and load_factory(script.group(1)) is main
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    ok = subprocess.run([sys.executable, "-m", "aioloader", "--help"], capture_output=True, text=True, env=env,
-                        timeout=60, cwd=tmp_path)
+    ok = subprocess.run(
+        [sys.executable, "-m", "aioloader", "--help"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        cwd=tmp_path,
+    )
     assert ok.returncode == 0 and all(c in ok.stdout for c in ("demo", "pack", "inspect", "bench"))
-    bad = subprocess.run([sys.executable, "-m", "aioloader", "nope"], capture_output=True, text=True, env=env,
-                         timeout=60, cwd=tmp_path)
+    bad = subprocess.run(
+        [sys.executable, "-m", "aioloader", "nope"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        cwd=tmp_path,
+    )
     assert bad.returncode == 2 and "unknown command 'nope'" in bad.stderr
     # the pack regression end to end: a missing output folder is one line and status 2
     make_tree(tmp_path / "imgs")
-    out = subprocess.run([sys.executable, "-m", "aioloader", "pack", "imgs", "/no/such/dir/out.rec"],
-                         capture_output=True, text=True, env=env, timeout=60, cwd=tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-m", "aioloader", "pack", "imgs", "/no/such/dir/out.rec"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        cwd=tmp_path,
+    )
     assert out.returncode == 2
     one_error_line(out.stderr, "/no/such/dir")
 
@@ -70,8 +88,12 @@ def test_pack_in_process_then_read(tmp_path: Path, capsys: Capture) -> None:
     make_tree(tmp_path / "imgs")
     out = tmp_path / "out" / "set.rec"
     out.parent.mkdir()
-    assert main(["pack", str(tmp_path / "imgs"), str(out), "--workers", "0", "--resize", "12",
-                 "--quality", "90"]) == 0
+    assert (
+        main(
+            ["pack", str(tmp_path / "imgs"), str(out), "--workers", "0", "--resize", "12", "--quality", "90"]
+        )
+        == 0
+    )
     assert sorted(p.name for p in out.parent.iterdir()) == ["set.idx", "set.lst", "set.rec"]
     folder = ImageFolder(tmp_path / "imgs")
     ds = ImageRecordDataset(out)
@@ -96,8 +118,10 @@ def test_pack_writes_im2rec_list(tmp_path: Path) -> None:
     make_tree(tmp_path / "imgs")
     assert main(["pack", str(tmp_path / "imgs"), str(tmp_path / "set.rec"), "--workers", "0"]) == 0
     folder = ImageFolder(tmp_path / "imgs")
-    expected = [f"{i}\t{float(folder.labels[i]):f}\t{os.path.relpath(folder.path(i), folder.root)}\n"
-                for i in range(len(folder))]
+    expected = [
+        f"{i}\t{float(folder.labels[i]):f}\t{os.path.relpath(folder.path(i), folder.root)}\n"
+        for i in range(len(folder))
+    ]
     lines = (tmp_path / "set.lst").read_text().splitlines(keepends=True)
     assert lines == expected
     assert lines[0] == "0\t0.000000\tant/only.png\n" and lines[3] == "3\t1.000000\tcat/sub/c.png\n"
@@ -225,7 +249,9 @@ def test_inspect_rejects_a_negative_first(capsys: Capture) -> None:
 
 
 def result(workers: int, prefetch: int, *rates: float) -> BenchResult:
-    runs = [Run(samples_per_s=r, first_batch_s=0.1, stall_fraction=0.5, main_cpu_s_per_batch=0.001) for r in rates]
+    runs = [
+        Run(samples_per_s=r, first_batch_s=0.1, stall_fraction=0.5, main_cpu_s_per_batch=0.001) for r in rates
+    ]
     return aggregate(workers, prefetch, runs, stepped=False)
 
 
@@ -255,8 +281,23 @@ def test_recommend_stays_within_the_usable_cores_unless_clearly_faster() -> None
 
 
 def test_bench_repeats_and_reports_no_meaningless_stall(capsys: Capture) -> None:
-    assert main(["bench", "tests._datasets:small_bench_dataset", "--workers", "0,1", "--batch-size", "8",
-                 "--epochs", "2", "--repeat", "2"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "tests._datasets:small_bench_dataset",
+                "--workers",
+                "0,1",
+                "--batch-size",
+                "8",
+                "--epochs",
+                "2",
+                "--repeat",
+                "2",
+            ]
+        )
+        == 0
+    )
     captured = capsys.readouterr()
     assert captured.err.count("bench: repetition") == 4  # 2 settings x 2, reported as they run
     rows = [line.split() for line in captured.out.splitlines() if line.strip().startswith(("0 ", "1 "))]
@@ -271,17 +312,55 @@ def test_bench_repeats_and_reports_no_meaningless_stall(capsys: Capture) -> None
 
 
 def test_bench_stall_with_a_consumer_step(capsys: Capture) -> None:
-    assert main(["bench", "tests._datasets:small_bench_dataset", "--workers", "1", "--batch-size", "8",
-                 "--epochs", "2", "--repeat", "1", "--max-batches", "4", "--step-ms", "2"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "tests._datasets:small_bench_dataset",
+                "--workers",
+                "1",
+                "--batch-size",
+                "8",
+                "--epochs",
+                "2",
+                "--repeat",
+                "1",
+                "--max-batches",
+                "4",
+                "--step-ms",
+                "2",
+            ]
+        )
+        == 0
+    )
     row = next(line.split() for line in capsys.readouterr().out.splitlines() if line.strip().startswith("1 "))
     assert row[6].endswith("%") and 0 <= int(row[6][:-1]) <= 100
 
 
-def test_bench_runs_the_public_demo_factory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Capture) -> None:
+def test_bench_runs_the_public_demo_factory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Capture
+) -> None:
     monkeypatch.setenv("AIOLOADER_CACHE", str(tmp_path))
     assert load_factory("aioloader.datasets:SyntheticJpegDataset") is SyntheticJpegDataset
-    assert main(["bench", "aioloader.datasets:SyntheticJpegDataset", "--workers", "0", "--batch-size", "4",
-                 "--epochs", "1", "--repeat", "1", "--max-batches", "1"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "aioloader.datasets:SyntheticJpegDataset",
+                "--workers",
+                "0",
+                "--batch-size",
+                "4",
+                "--epochs",
+                "1",
+                "--repeat",
+                "1",
+                "--max-batches",
+                "1",
+            ]
+        )
+        == 0
+    )
     assert "recommended: num_workers=0" in capsys.readouterr().out
     assert len(ImageFolder(tmp_path / "demo-jpegs-1024")) == 1024
 
@@ -301,7 +380,19 @@ def test_bench_bad_arguments(capsys: Capture) -> None:
 
 
 def test_demo_shows_progress_while_writing_and_reuses_the_files(tmp_path: Path, capsys: Capture) -> None:
-    args = ["demo", "--images", "24", "--epochs", "1", "--batch-size", "8", "--workers", "2", "--cache", str(tmp_path)]
+    args = [
+        "demo",
+        "--images",
+        "24",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "8",
+        "--workers",
+        "2",
+        "--cache",
+        str(tmp_path),
+    ]
     assert main(args) == 0
     first = capsys.readouterr()
     assert "writing 24 JPEGs" in first.err and "24/24" in first.err

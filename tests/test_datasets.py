@@ -92,9 +92,7 @@ def test_image_folder_bad_files_name_their_path(tmp_path: Path) -> None:
     assert info.value.__cause__ is not None
     # With every file taken, a text file is reported the same way.
     everything = ImageFolder(tmp_path, extensions=None)
-    readme = [everything.path(i) for i in range(len(everything))].index(
-        str(tmp_path / "cat" / "README.txt")
-    )
+    readme = [everything.path(i) for i in range(len(everything))].index(str(tmp_path / "cat" / "README.txt"))
     with pytest.raises(OSError, match=r"README\.txt"):
         everything[readme]
     # A truncated image too.

@@ -50,7 +50,9 @@ def test_augmentations_identical_for_any_worker_count(dataset_name) -> None:
             results[nw] = [[np.asarray(b[0]).tobytes() for b in ep] for ep in epochs(loader, 2)]
     assert results[0] == results[1] == results[2] == results[4]
     assert results[0][0] != results[0][1]  # epochs differ
-    with aioloader.DataLoader(dataset_cls(40), 6, shuffle=True, seed=5, num_workers=2, ordered=False) as loader:
+    with aioloader.DataLoader(
+        dataset_cls(40), 6, shuffle=True, seed=5, num_workers=2, ordered=False
+    ) as loader:
         unordered = [by_index(ep) for ep in epochs(loader, 2)]
     with aioloader.DataLoader(dataset_cls(40), 6, shuffle=True, seed=5) as loader:
         ordered = [by_index(ep) for ep in epochs(loader, 2)]
@@ -218,14 +220,29 @@ def test_resume_at_any_batch_equals_uninterrupted(n, bs, last_batch, shuffle, da
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_resume_with_workers_and_twice_in_a_row(num_workers) -> None:
-    kwargs = {"n": 37, "batch_size": 4, "last_batch": "rollover", "shuffle": True, "seed": 8, "num_workers": num_workers}
+    kwargs = {
+        "n": 37,
+        "batch_size": 4,
+        "last_batch": "rollover",
+        "shuffle": True,
+        "seed": 8,
+        "num_workers": num_workers,
+    }
     expected = [b for _e, b in run_plan(dict(kwargs), 3)]
     assert resumed_run(kwargs, 3, [3, 4, 12, 20]) == expected
 
 
 @pytest.mark.parametrize("policy", ["pad", "uneven"])
 def test_resume_with_shards_and_rollover(policy) -> None:
-    kwargs = {"n": 41, "batch_size": 4, "last_batch": "rollover", "shuffle": True, "seed": 3, "shard": (1, 3), "shard_policy": policy}
+    kwargs = {
+        "n": 41,
+        "batch_size": 4,
+        "last_batch": "rollover",
+        "shuffle": True,
+        "seed": 3,
+        "shard": (1, 3),
+        "shard_policy": policy,
+    }
     expected = [b for _e, b in run_plan(dict(kwargs), 3)]
     assert resumed_run(kwargs, 3, [2, 3, 7]) == expected
 
@@ -272,7 +289,11 @@ def test_state_dict_is_small_json_and_refuses_mismatches() -> None:
         it.close()
     assert len(json.dumps(state)) < 1000
     assert state["epoch"] == 0 and state["batches_delivered"] == 1 and state["seed"] == 3
-    for kwargs, word in [({"batch_size": 5}, "batch_size"), ({"shard": (0, 2)}, "shard"), ({"last_batch": "discard"}, "last_batch")]:
+    for kwargs, word in [
+        ({"batch_size": 5}, "batch_size"),
+        ({"shard": (0, 2)}, "shard"),
+        ({"last_batch": "discard"}, "last_batch"),
+    ]:
         other = aioloader.DataLoader(RangeDataset(20), **{"batch_size": 4, "shuffle": True, **kwargs})
         with pytest.raises(aioloader.StateDictError, match=word):
             other.load_state_dict(state)
@@ -370,7 +391,9 @@ def test_sharded_loaders_partition_each_epoch(policy) -> None:
     n, world = 23, 3
     per_epoch: list[list[int]] = [[], []]
     for rank in range(world):
-        with aioloader.DataLoader(RangeDataset(n), 4, shuffle=True, seed=1, shard=(rank, world), shard_policy=policy) as loader:
+        with aioloader.DataLoader(
+            RangeDataset(n), 4, shuffle=True, seed=1, shard=(rank, world), shard_policy=policy
+        ) as loader:
             for e in range(2):
                 per_epoch[e].extend(int(i) for b in loader for i in b[1])
     for flat in per_epoch:

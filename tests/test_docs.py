@@ -48,11 +48,15 @@ def _params() -> list[Any]:
     ]
 
 
-@pytest.mark.parametrize(("name", "k", "code"), _params(), ids=lambda v: str(v) if not isinstance(v, str) or len(v) < 40 else "")
+@pytest.mark.parametrize(
+    ("name", "k", "code"), _params(), ids=lambda v: str(v) if not isinstance(v, str) or len(v) < 40 else ""
+)
 def test_snippet_runs(tmp_path: Path, name: str, k: int, code: str) -> None:
     script = tmp_path / f"snippet_{k}.py"
     script.write_text(code)
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=90, cwd=tmp_path
+    )
     assert proc.returncode == 0, f"{name} snippet {k} failed:\n{proc.stderr}"
 
 
@@ -69,8 +73,20 @@ def test_typed_pages_snippets_pass_mypy_strict(tmp_path: Path) -> None:
     config = tmp_path / "mypy.ini"
     config.write_text(f"[mypy]\nstrict = True\nmypy_path = {ROOT}\n")
     proc = subprocess.run(
-        [sys.executable, "-m", "mypy", "--config-file", str(config), "--cache-dir", str(tmp_path / "cache"), *files],
-        capture_output=True, text=True, timeout=110, cwd=ROOT,
+        [
+            sys.executable,
+            "-m",
+            "mypy",
+            "--config-file",
+            str(config),
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            *files,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 

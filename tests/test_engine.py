@@ -93,7 +93,9 @@ def test_system_exit_in_getitem_async() -> None:
         asyncio.run(main())
 
 
-@pytest.mark.parametrize("name", ["dataset", "batch_size", "sampler", "batch_sampler", "drop_last", "shuffle"])
+@pytest.mark.parametrize(
+    "name", ["dataset", "batch_size", "sampler", "batch_sampler", "drop_last", "shuffle"]
+)
 def test_planning_attributes_cannot_be_changed_after_construction(name: str) -> None:
     with DataLoader(RangeDataset(8), 4) as loader:
         with pytest.raises(ValueError, match=name):
@@ -112,7 +114,15 @@ def test_planning_attributes_cannot_be_changed_after_construction(name: str) -> 
         (lambda: StreamLoader(range(4), ordered="no"), "ordered"),  # type: ignore[arg-type]
         (lambda: StreamLoader(range(4), str, batched_fn=1), "batched_fn"),  # type: ignore[arg-type]
     ],
-    ids=["shuffle", "ordered", "drop_last", "seed_samples", "prefetch_next_epoch", "stream-ordered", "batched_fn"],
+    ids=[
+        "shuffle",
+        "ordered",
+        "drop_last",
+        "seed_samples",
+        "prefetch_next_epoch",
+        "stream-ordered",
+        "batched_fn",
+    ],
 )
 def test_boolean_parameters_take_only_bools(factory: Callable[[], Any], name: str) -> None:
     with pytest.raises(TypeError, match=name):

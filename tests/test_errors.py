@@ -61,7 +61,6 @@ def test_dataset_exception_keeps_type_message_and_names_the_sample(collect, num_
 def test_batches_before_the_error_are_delivered(collect) -> None:
     got = []
     with aioloader.DataLoader(FailingDataset(20, {13}), 4, num_workers=2) as loader:
-
         with pytest.raises(KeyError):
             for b in loader:
                 got.append(b[1].tolist())
@@ -70,11 +69,15 @@ def test_batches_before_the_error_are_delivered(collect) -> None:
 
 @pytest.mark.parametrize("num_workers", WORKERS)
 def test_collate_and_init_errors_keep_their_type(collect, num_workers) -> None:
-    with aioloader.DataLoader(RangeDataset(8), 4, num_workers=num_workers, collate_fn=failing_collate) as loader:
+    with aioloader.DataLoader(
+        RangeDataset(8), 4, num_workers=num_workers, collate_fn=failing_collate
+    ) as loader:
         with pytest.raises(ValueError, match="collate says no") as info:
             collect(loader)
         assert "collate_fn" in notes(info.value) and "[0, 1, 2, 3]" in notes(info.value)
-    with aioloader.DataLoader(RangeDataset(8), 4, num_workers=num_workers, worker_init_fn=failing_init) as loader:
+    with aioloader.DataLoader(
+        RangeDataset(8), 4, num_workers=num_workers, worker_init_fn=failing_init
+    ) as loader:
         with pytest.raises(RuntimeError, match="init of worker") as info:
             collect(loader)
         assert "worker_init_fn" in notes(info.value)
@@ -93,7 +96,9 @@ def test_unpicklable_exception_arrives_as_remote_error(collect) -> None:
 
 @pytest.mark.parametrize("num_workers", WORKERS)
 def test_on_error_skip_drops_and_counts(collect, num_workers) -> None:
-    with aioloader.DataLoader(FailingDataset(12, {1, 2, 8, 9, 10, 11}), 4, num_workers=num_workers, on_error="skip") as loader:
+    with aioloader.DataLoader(
+        FailingDataset(12, {1, 2, 8, 9, 10, 11}), 4, num_workers=num_workers, on_error="skip"
+    ) as loader:
         got = collect(loader)
         assert [b[1].tolist() for b in got] == [[0, 3], [4, 5, 6, 7]]  # the all-bad batch vanishes
         assert loader.stats().skipped == 6
@@ -128,7 +133,9 @@ def test_worker_crash_is_survived_and_epoch_identical(collect, tmp_path: Path, c
     ds = CrashDataset(n, crash_at, str(tmp_path), how=how)
     # No speculative next epoch here: it could load a crashing index concurrently, and
     # this test counts crashes exactly.
-    with aioloader.DataLoader(ds, bs, shuffle=True, seed=seed, num_workers=2, prefetch_next_epoch=False) as loader:
+    with aioloader.DataLoader(
+        ds, bs, shuffle=True, seed=seed, num_workers=2, prefetch_next_epoch=False
+    ) as loader:
         got = [b[1].tolist() for b in collect(loader)]
         assert got == expected
         # two workers may die in the same pool incarnation: one rebuild covers both
@@ -182,7 +189,12 @@ def test_hung_sample_times_out_and_loader_recovers(collect, tmp_path: Path) -> N
         assert info.value.indices == [4, 5, 6, 7]
         assert marker.exists()
         assert loader.stats().restarts == 1
-        assert [b[1].tolist() for b in collect(loader)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+        assert [b[1].tolist() for b in collect(loader)] == [
+            [0, 1, 2, 3],
+            [4, 5, 6, 7],
+            [8, 9, 10, 11],
+            [12, 13, 14, 15],
+        ]
 
 
 def test_timeout_in_thread_mode(collect, tmp_path: Path) -> None:
@@ -477,7 +489,9 @@ ORPHAN_SCRIPT = textwrap.dedent(
 def test_workers_exit_when_the_consumer_is_killed(tmp_path: Path) -> None:
     pids_file = tmp_path / "pids"
     script = tmp_path / "orphan.py"
-    script.write_text(ORPHAN_SCRIPT.format(root=str(Path(__file__).resolve().parents[1]), pids=str(pids_file)))
+    script.write_text(
+        ORPHAN_SCRIPT.format(root=str(Path(__file__).resolve().parents[1]), pids=str(pids_file))
+    )
     proc = subprocess.Popen([sys.executable, str(script)], start_new_session=True)
     try:
         wait_until(lambda: pids_file.exists() or proc.poll() is not None, 60.0, "the worker pids")
@@ -532,7 +546,11 @@ def test_interpreter_exit_never_hangs_on_open_loaders(tmp_path: Path) -> None:
     script = tmp_path / "exit.py"
     script.write_text(EXIT_SCRIPT.format(root=str(Path(__file__).resolve().parents[1])))
     proc = subprocess.Popen(
-        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        [sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
     try:
         out, err = proc.communicate(timeout=60)
@@ -575,6 +593,10 @@ def test_aclose_from_another_task_ends_iteration_with_loader_closed(tmp_path: Pa
 def test_malformed_state_dicts_raise_state_dict_error() -> None:
     with aioloader.DataLoader(RangeDataset(20), 4) as loader:
         good = loader.state_dict()
-        for bad in ({k: v for k, v in good.items() if k != "epoch"}, {**good, "next_position": 99}, {**good, "seed": "x"}):
+        for bad in (
+            {k: v for k, v in good.items() if k != "epoch"},
+            {**good, "next_position": 99},
+            {**good, "seed": "x"},
+        ):
             with pytest.raises(aioloader.StateDictError):
                 loader.load_state_dict(bad)

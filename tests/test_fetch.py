@@ -236,7 +236,9 @@ def test_a_key_that_cannot_be_read_is_named_or_skipped(server: Server, files: Fi
 def test_timeout_bounds_each_fetch(server: Server, files: Files) -> None:
     items = list(files[1][:4])
     items[1] = (items[1][0] + "?latency_ms=60000", 1)  # answered only by the server's reset
-    with aioloader.DataLoader(items, batch_size=4, fetch=HttpFetch(server.base), timeout=2.0, fetch_retries=0) as dl:
+    with aioloader.DataLoader(
+        items, batch_size=4, fetch=HttpFetch(server.base), timeout=2.0, fetch_retries=0
+    ) as dl:
         with pytest.raises(LoaderTimeout) as info:
             list(dl)
     assert info.value.indices == [1]
@@ -259,13 +261,17 @@ def test_worker_crash_resubmits_without_refetch(tmp_path: Path, server: Server, 
 def _slow_items(files: Files, n: int) -> list[tuple[str, int]]:
     # the first batch answers at once, the rest only when the server is reset
     root_items = files[1]
-    return [(name if i < 4 else f"{name}?latency_ms=60000", i) for i, (name, _) in enumerate(root_items * 5)][:n]
+    return [(name if i < 4 else f"{name}?latency_ms=60000", i) for i, (name, _) in enumerate(root_items * 5)][
+        :n
+    ]
 
 
 @pytest.mark.parametrize("how", ["for-break", "async-break", "async-cancelled", "close-from-thread"])
 def test_break_and_close_with_many_fetches_in_flight(server: Server, files: Files, how: str) -> None:
     fetch = HttpFetch(server.base)
-    dl = aioloader.DataLoader(_slow_items(files, 200), batch_size=4, prefetch=40, fetch=fetch, io_concurrency=100)
+    dl = aioloader.DataLoader(
+        _slow_items(files, 200), batch_size=4, prefetch=40, fetch=fetch, io_concurrency=100
+    )
     in_flight = lambda: server.stats()["current"] == 100  # noqa: E731
     if how == "for-break":
         for _ in dl:
@@ -299,6 +305,7 @@ def test_break_and_close_with_many_fetches_in_flight(server: Server, files: File
 
         asyncio.run(main())
     else:
+
         def close_when_busy() -> None:
             try:
                 wait_until(in_flight, 60.0, "100 requests")
@@ -346,7 +353,9 @@ def test_ctrl_c_with_many_fetches_in_flight(tmp_path: Path, server: Server, file
     root = str(Path(__file__).resolve().parents[1])
     script.write_text(CTRL_C_SCRIPT.format(root=root, items=_slow_items(files, 200), ready=str(ready),
                                            base=server.base, face=face))  # fmt: skip
-    proc, text = ctrl_c(script, lambda: ready.exists() and server.stats()["current"] == 100, "100 requests at the server")
+    proc, text = ctrl_c(
+        script, lambda: ready.exists() and server.stats()["current"] == 100, "100 requests at the server"
+    )
     assert proc.returncode != 0 and text.rstrip().endswith("KeyboardInterrupt"), text
     # asyncio.run (3.11+) cancels the main task first: its CancelledError is chained in
     assert text.count("Traceback (most recent call last)") <= (1 if face == "for" else 2), text
@@ -409,5 +418,13 @@ def test_transient_errors_are_told_apart() -> None:
             self.status = status
 
     assert is_transient(ConnectionResetError()) and is_transient(asyncio.TimeoutError())
-    assert is_transient(aiohttp.ServerDisconnectedError()) and is_transient(Status(502)) and is_transient(Status(429))
-    assert not is_transient(Status(404)) and not is_transient(FileNotFoundError()) and not is_transient(ValueError())
+    assert (
+        is_transient(aiohttp.ServerDisconnectedError())
+        and is_transient(Status(502))
+        and is_transient(Status(429))
+    )
+    assert (
+        not is_transient(Status(404))
+        and not is_transient(FileNotFoundError())
+        and not is_transient(ValueError())
+    )

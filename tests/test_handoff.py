@@ -35,6 +35,7 @@ def test_waker_settles_a_burst_with_one_wake_up() -> None:
         loop.call_soon_threadsafe = counting  # type: ignore[method-assign,assignment]
         waker = _wake.Waker(loop)
         waiters = [loop.create_future() for _ in range(5)]
+
         # The loop is not running: every wake after the first joins the pending one.
         def wake_all() -> None:
             for w in waiters:
@@ -101,7 +102,9 @@ def test_call_returns_and_raises_in_the_caller(portal: Portal) -> None:
 
 
 @pytest.mark.parametrize("exc", [KeyboardInterrupt, SystemExit])
-def test_fatal_exceptions_reach_the_caller_and_spare_the_loop(portal: Portal, exc: type[BaseException]) -> None:
+def test_fatal_exceptions_reach_the_caller_and_spare_the_loop(
+    portal: Portal, exc: type[BaseException]
+) -> None:
     async def fatal() -> None:
         raise exc
 

@@ -42,7 +42,9 @@ def test_workers_share_the_primitives_of_the_dataset(mode: str, method: str) -> 
 def test_queues_and_arrays_reach_the_workers_too() -> None:
     ctx = mp.get_context("forkserver")
     queue, slots = ctx.Queue(), ctx.Array("i", 6)
-    with aioloader.DataLoader(ReportingDataset(queue, slots), 2, num_workers=2, prefetch_next_epoch=False) as loader:
+    with aioloader.DataLoader(
+        ReportingDataset(queue, slots), 2, num_workers=2, prefetch_next_epoch=False
+    ) as loader:
         assert _epoch(loader, "for") == list(range(6))
         assert sorted(queue.get(timeout=30) for _ in range(6)) == list(range(6))
     assert list(slots) == [0, 10, 20, 30, 40, 50]

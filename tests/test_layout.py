@@ -15,20 +15,73 @@ PKG = Path(aioloader.__file__).resolve().parent
 # The formats layer (_formats/) is worker-side as a whole, and so are its public faces.
 # So is the shared-memory package (workers import all of it: the encoder names the decoder).
 WORKER_SIDE = [
-    "_worker.py", "_slots.py", "_reply.py", "_forkserver_preload.py", "_orphan.py", "_byvalue.py", "_stream_worker.py", "_serve_worker.py", "_seeding.py", "_collate.py", "_plan/*.py",
-    "errors.py", "recordio.py", "datasets.py", "transforms.py", "_formats/*.py", "_shm/*.py",
+    "_worker.py",
+    "_slots.py",
+    "_reply.py",
+    "_forkserver_preload.py",
+    "_orphan.py",
+    "_byvalue.py",
+    "_stream_worker.py",
+    "_shard_worker.py",
+    "_serve_worker.py",
+    "_seeding.py",
+    "_collate.py",
+    "_plan/*.py",
+    "errors.py",
+    "recordio.py",
+    "datasets.py",
+    "transforms.py",
+    "_formats/*.py",
+    "_shm/*.py",
 ]
 # Public modules that re-export the formats layer, and the names each must keep.
 PUBLIC_FACES = {
-    "aioloader.recordio": ["MAGIC", "MAX_RECORD_SIZE", "Buffer", "IRHeader", "IndexedRecordReader",
-                           "IndexedRecordWriter", "RecordIOError", "RecordReader", "RecordWriter", "StrPath",
-                           "pack_header", "unpack_header"],
-    "aioloader.datasets": ["IMG_EXTENSIONS", "ImageDecodeError", "ImageFolder", "ImageRecordDataset", "Label",
-                           "RecordFileDataset", "RecordIOError", "StrPath", "SyntheticJpegDataset", "Transform"],
-    "aioloader.transforms": ["CenterCrop", "Compose", "ImageLike", "Interpolation", "Normalize",
-                             "RandomHorizontalFlip", "RandomResizedCrop", "Resize", "ToArray", "sample_rng"],
+    "aioloader.recordio": [
+        "MAGIC",
+        "MAX_RECORD_SIZE",
+        "Buffer",
+        "IRHeader",
+        "IndexedRecordReader",
+        "IndexedRecordWriter",
+        "RecordIOError",
+        "RecordReader",
+        "RecordWriter",
+        "StrPath",
+        "pack_header",
+        "unpack_header",
+    ],
+    "aioloader.datasets": [
+        "IMG_EXTENSIONS",
+        "ImageDecodeError",
+        "ImageFolder",
+        "ImageRecordDataset",
+        "Label",
+        "RecordFileDataset",
+        "RecordIOError",
+        "StrPath",
+        "SyntheticJpegDataset",
+        "Transform",
+    ],
+    "aioloader.transforms": [
+        "CenterCrop",
+        "Compose",
+        "ImageLike",
+        "Interpolation",
+        "Normalize",
+        "RandomHorizontalFlip",
+        "RandomResizedCrop",
+        "Resize",
+        "ToArray",
+        "sample_rng",
+    ],
     "aioloader.sources": ["follow_lines", "read_files", "watch_folder"],
-    "aioloader.io": ["ObjectStore", "ObjectStoreError", "StoreTimeoutError", "TransientStoreError", "read_file"],
+    "aioloader.io": [
+        "ObjectStore",
+        "ObjectStoreError",
+        "StoreTimeoutError",
+        "TransientStoreError",
+        "read_file",
+    ],
 }
 
 
@@ -73,7 +126,9 @@ def test_cli_is_imported_by_nothing_but_main() -> None:
     for path in sorted(PKG.rglob("*.py")):
         if path.parent.name == "_cli" or path.name == "__main__.py":
             continue
-        assert not any("_cli" in name for name in imports_of(path)), f"{path.relative_to(PKG)} imports the CLI"
+        assert not any("_cli" in name for name in imports_of(path)), (
+            f"{path.relative_to(PKG)} imports the CLI"
+        )
 
 
 def test_public_faces_keep_their_names_and_say_so() -> None:

@@ -88,7 +88,7 @@ def _result(proc: subprocess.CompletedProcess[str]) -> Any:
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert lines, proc.stdout[-2000:] + proc.stderr[-2000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 @pytest.mark.parametrize("how", ["stdin", "-c"])
@@ -97,7 +97,9 @@ def test_interactive_main_lambdas_and_closures_reach_workers(how: str, tmp_path:
         cmd, stdin = [sys.executable, "-"], SCRIPT
     else:
         cmd, stdin = [sys.executable, "-c", SCRIPT], ""
-    proc = subprocess.run(cmd, input=stdin, capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=100)
+    proc = subprocess.run(
+        cmd, input=stdin, capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=100
+    )
     assert _result(proc) == EXPECTED
 
 
@@ -173,7 +175,9 @@ def _kernelspec(tmp_path: Path) -> Path:
     spec = tmp_path / "jupyter" / "kernels" / "aioloader-test"
     spec.mkdir(parents=True)
     argv = [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
-    (spec / "kernel.json").write_text(json.dumps({"argv": argv, "display_name": "aioloader", "language": "python"}))
+    (spec / "kernel.json").write_text(
+        json.dumps({"argv": argv, "display_name": "aioloader", "language": "python"})
+    )
     return tmp_path / "jupyter"
 
 
@@ -185,7 +189,9 @@ def test_jupyter_kernel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
     pytest.importorskip("ipykernel")  # both come with the test extra
     manager = pytest.importorskip("jupyter_client.manager")
     env = {**_env(), "JUPYTER_PATH": str(tmp_path / "jupyter"), "IPYTHONDIR": str(tmp_path / "ipython")}
-    km, kc = manager.start_new_kernel(kernel_name="aioloader-test", startup_timeout=60, env=env, cwd=str(tmp_path))
+    km, kc = manager.start_new_kernel(
+        kernel_name="aioloader-test", startup_timeout=60, env=env, cwd=str(tmp_path)
+    )
     outputs: list[str] = []
     try:
         for cell in CELLS:

@@ -20,7 +20,18 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED_DIRS = ("tests", "examples", "docs")
-_NOT_SOURCE = {".git", ".venv", "__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache", ".hypothesis", "build", "dist", "site"}
+_NOT_SOURCE = {
+    ".git",
+    ".venv",
+    "__pycache__",
+    ".pytest_cache",
+    ".mypy_cache",
+    ".ruff_cache",
+    ".hypothesis",
+    "build",
+    "dist",
+    "site",
+}
 
 pytestmark = pytest.mark.slow  # two builds and a collection: about 15 s
 
@@ -31,7 +42,10 @@ def _source_files() -> list[str]:
     if (ROOT / ".git").exists() and shutil.which("git"):
         out = subprocess.run(
             ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
-            cwd=ROOT, capture_output=True, text=True, check=True,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout
         return sorted(p for p in out.split("\0") if p and (ROOT / p).is_file())
     files = []
@@ -55,7 +69,9 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[str], Path, Pa
     # then the wheel *from the sdist*, so the sdist is proven to build.
     proc = subprocess.run(
         [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(src)],
-        capture_output=True, text=True, timeout=110,
+        capture_output=True,
+        text=True,
+        timeout=110,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (sdist,) = out.glob("*.tar.gz")
@@ -122,7 +138,11 @@ def test_tests_collect_from_the_unpacked_sdist(built: tuple[list[str], Path, Pat
     env = {**os.environ, "PYTHONPATH": str(unpacked)}
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "tests"],
-        cwd=unpacked, env=env, capture_output=True, text=True, timeout=110,
+        cwd=unpacked,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=110,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "test_packaging.py" in proc.stdout and "test_core.py" in proc.stdout
@@ -140,7 +160,9 @@ def test_benchmark_suite_installs_nothing_when_torch_is_missing(tmp_path: Path) 
         f"sys.argv = [{str(bench)!r}, '--quick']\n"
         f"runpy.run_path({str(bench)!r}, run_name='__main__')\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path
+    )
     assert proc.returncode != 0
     assert "PIP WAS CALLED" not in proc.stderr
     assert "torch is not installed" in proc.stderr and '".[dev]"' in proc.stderr
@@ -162,7 +184,9 @@ def test_benchmark_suite_names_a_missing_peer_in_its_tables(tmp_path: Path) -> N
         "print(bench_suite.fmt_table('t', summary, 'images/s'))\n"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| grain | not installed (`pip install grain`) |" in proc.stdout
     assert "| spdl | not installed (`pip install spdl`) |" in proc.stdout

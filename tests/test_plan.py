@@ -35,8 +35,13 @@ EDGE_SIZES = sorted({1, 2, 3, 10, 100, 1000, 10007} | {2**k + d for k in range(1
 
 def planner(length: int, batch_size: int = 4, **kw: Any) -> BatchPlanner:
     opts: dict[str, Any] = {
-        "shuffle": False, "sampler": None, "batch_sampler": None, "last_batch": "keep",
-        "seed": 0, "shard": (0, 1), "shard_policy": "pad",
+        "shuffle": False,
+        "sampler": None,
+        "batch_sampler": None,
+        "last_batch": "keep",
+        "seed": 0,
+        "shard": (0, 1),
+        "shard_policy": "pad",
     }
     opts.update(kw)
     return BatchPlanner(length, batch_size=batch_size, **opts)
@@ -169,8 +174,18 @@ def test_the_statistics_catch_a_biased_shuffle() -> None:
 
 
 # --------------------------------------------------------------------------------- plans
-def reference_plan(n: int, bs: int, shuffle: bool, seed: int, epoch: int, rank: int, world: int,
-                   policy: str, last_batch: str, carry: list[int]) -> tuple[list[list[int]], list[int]]:
+def reference_plan(
+    n: int,
+    bs: int,
+    shuffle: bool,
+    seed: int,
+    epoch: int,
+    rank: int,
+    world: int,
+    policy: str,
+    last_batch: str,
+    carry: list[int],
+) -> tuple[list[list[int]], list[int]]:
     """The plan spelled out on whole arrays: shuffle, shard, prepend, cut."""
     order = epoch_permutation(n, seed, epoch) if shuffle else np.arange(n)
     mine = carry + shard_indices(order, rank, world, policy).tolist()  # type: ignore[arg-type]
@@ -194,8 +209,12 @@ def reference_plan(n: int, bs: int, shuffle: bool, seed: int, epoch: int, rank: 
 )
 def test_lazy_plan_equals_the_plan_on_arrays(n, bs, shuffle, world, data, policy, last_batch, epoch) -> None:
     rank = data.draw(st.integers(0, world - 1))
-    carry = data.draw(st.lists(st.integers(0, n - 1), max_size=bs - 1)) if n and last_batch == "rollover" else []
-    p = planner(n, bs, shuffle=shuffle, seed=3, shard=(rank, world), shard_policy=policy, last_batch=last_batch)
+    carry = (
+        data.draw(st.lists(st.integers(0, n - 1), max_size=bs - 1)) if n and last_batch == "rollover" else []
+    )
+    p = planner(
+        n, bs, shuffle=shuffle, seed=3, shard=(rank, world), shard_policy=policy, last_batch=last_batch
+    )
     plan = p.plan(epoch, np.asarray(carry, dtype=np.int64))
     batches, tail = reference_plan(n, bs, shuffle, 3, epoch, rank, world, policy, last_batch, carry)
     assert [b.tolist() for b in plan.batches] == batches
@@ -306,7 +325,9 @@ def test_distributed_sampler_is_lazy_and_matches_the_loader() -> None:
             sampler.set_epoch(2)
             ref = shard_indices(epoch_permutation(20, 4, 2), rank, 3, policy).tolist()
             assert list(sampler) == ref and len(sampler) == len(ref)
-            with aioloader.DataLoader(RangeDataset(20), 3, shuffle=True, seed=4, shard=(rank, 3), shard_policy=policy) as loader:
+            with aioloader.DataLoader(
+                RangeDataset(20), 3, shuffle=True, seed=4, shard=(rank, 3), shard_policy=policy
+            ) as loader:
                 loader.set_epoch(2)
                 assert [int(i) for b in loader for i in b[1]] == ref
     big = iter(aioloader.DistributedSampler(10**12, 5, 8, seed=1))
@@ -363,7 +384,10 @@ def test_bad_batch_sampler_items_name_the_batch_position_and_value(batch_sampler
 def test_integer_like_indices_are_accepted() -> None:
     import torch
 
-    assert first_batches({"batch_size": 2, "sampler": [np.int64(3), np.int32(1), np.uint8(2)]}) == [[3, 1], [2]]
+    assert first_batches({"batch_size": 2, "sampler": [np.int64(3), np.int32(1), np.uint8(2)]}) == [
+        [3, 1],
+        [2],
+    ]
     assert first_batches({"batch_size": 2, "sampler": np.array([4, 0], dtype=np.uint16)}) == [[4, 0]]
     assert first_batches({"batch_sampler": [[np.int16(5), 6], (7,)]}) == [[5, 6], [7]]
     assert first_batches({"batch_size": 3, "sampler": list(torch.tensor([2, 1]))}) == [[2, 1]]
@@ -380,8 +404,14 @@ def test_bad_lengths_name_the_dataset_and_len() -> None:
             return self.n
 
     assert dataset_length(Sized(np.int64(5))) == 5 and dataset_length([1, 2]) == 2
-    for value, error, word in [(2.5, TypeError, "float"), (True, TypeError, "bool"), ("9", TypeError, "str"),
-                               (-1, ValueError, ">= 0"), (2**63, ValueError, "2**63 - 1"), (10**30, ValueError, "2**63 - 1")]:
+    for value, error, word in [
+        (2.5, TypeError, "float"),
+        (True, TypeError, "bool"),
+        ("9", TypeError, "str"),
+        (-1, ValueError, ">= 0"),
+        (2**63, ValueError, "2**63 - 1"),
+        (10**30, ValueError, "2**63 - 1"),
+    ]:
         with pytest.raises(error, match=re.escape(word)) as info:
             dataset_length(Sized(value))
         assert "len(dataset)" in str(info.value) and "Sized.__len__" in str(info.value)

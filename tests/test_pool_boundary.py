@@ -90,7 +90,9 @@ def test_exceptions_travel_as_values_with_their_traceback(tmp_path: Path) -> Non
     assert not list(tmp_path.iterdir())
     with pytest.raises(KeyError) as info:
         outcome.unwrap()
-    assert "Traceback" in str(info.value.__cause__) and info.value.__notes__ == ["aioloader: raised by dataset[3]"]
+    assert "Traceback" in str(info.value.__cause__) and info.value.__notes__ == [
+        "aioloader: raised by dataset[3]"
+    ]
     # BaseExceptions too: a worker's SystemExit comes back as itself, not as a dead worker
     outcome = pickle.loads(pickle.dumps(_reply_of(SystemExit(5))))
     with pytest.raises(SystemExit) as sinfo:
@@ -108,7 +110,9 @@ def test_a_result_that_cannot_be_pickled_arrives_as_its_error() -> None:
 
 def test_sweep_removes_only_dead_workers_spill_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_reply, "spill_dirs", lambda: (str(tmp_path),))
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
     dead_pid = int(dead.stdout)
     me = os.getpid()
     gone = tmp_path / f"{_shm.PREFIX}{me}_{dead_pid}_spill0a0b0c0d_0"
@@ -129,7 +133,12 @@ def test_worker_killed_while_it_writes_its_batch_never_hangs(tmp_path: Path) -> 
     env = dict(os.environ, PYTHONPATH=str(REPO))
     proc = subprocess.run(
         [sys.executable, "-m", "tests._pool_helpers", "mid-send", str(tmp_path)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=100, check=False,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=False,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     cases = [json.loads(line) for line in proc.stdout.splitlines()]
@@ -150,7 +159,11 @@ def _clean_plan(n: int, bs: int, seed: int, epochs: int) -> list[list[list[int]]
 @pytest.mark.parametrize("face", FACES)
 @pytest.mark.parametrize("transport", ["shm", "pickle"])
 def test_sigkill_storm_every_epoch_identical(
-    tmp_path: Path, transport: str, face: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    tmp_path: Path,
+    transport: str,
+    face: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """2 workers, 1 MiB samples, shuffled; a worker is SIGKILLed after every few batches
     (a random one, or one caught sending its batch). With max_retries=2 every epoch
@@ -175,8 +188,10 @@ def test_sigkill_storm_every_epoch_identical(
         stats = loader.stats()
     assert not storm.errors, storm.errors
     identical = sum(g == e for g, e in zip(got, expected, strict=True))
-    print(f"storm {transport}/{face}: kills={storm.kills} (mid-send: {storm.mid_send}) "
-          f"restarts={stats.restarts} retries={stats.retries} epochs identical={identical}/{epochs}")
+    print(
+        f"storm {transport}/{face}: kills={storm.kills} (mid-send: {storm.mid_send}) "
+        f"restarts={stats.restarts} retries={stats.retries} epochs identical={identical}/{epochs}"
+    )
     assert identical == epochs
     assert storm.kills >= n // bs * epochs // (prefetch + 2) - 1 and stats.restarts >= storm.kills // 2
     assert not errors
@@ -192,16 +207,25 @@ def test_killing_an_idle_worker_charges_nobody(tmp_path: Path, face: str) -> Non
     ready.mkdir()
     ds = KillableDataset(4, 2, str(marker))
     with aioloader.DataLoader(
-        ds, 4, num_workers=2, max_retries=0, prefetch_next_epoch=False, worker_init_fn=H.ready_file(str(ready))
+        ds,
+        4,
+        num_workers=2,
+        max_retries=0,
+        prefetch_next_epoch=False,
+        worker_init_fn=H.ready_file(str(ready)),
     ) as loader:
         out: list[Any] = []
         consumer = threading.Thread(target=lambda: out.append(H.collect(loader, face)))
         consumer.start()
         try:
-            wait_until(lambda: marker.exists() and len(list(ready.iterdir())) == 2, 60.0, "both workers, one holding")
+            wait_until(
+                lambda: marker.exists() and len(list(ready.iterdir())) == 2, 60.0, "both workers, one holding"
+            )
             holder = int(marker.read_text())
             [idle] = [p for p in loader.worker_pids() if p != holder]
-            wait_until(lambda: H.syscall_of(idle) in H.WAIT_SYSCALLS, 20.0, "the idle worker to wait for work")
+            wait_until(
+                lambda: H.syscall_of(idle) in H.WAIT_SYSCALLS, 20.0, "the idle worker to wait for work"
+            )
             os.kill(idle, signal.SIGKILL)
         finally:
             consumer.join(60)
@@ -219,7 +243,9 @@ def test_repeated_startup_deaths_end_in_a_clear_error(collect: Any) -> None:
 
 def test_a_payload_the_worker_cannot_load_raises_its_own_error(collect: Any) -> None:
     with aioloader.DataLoader(H.DiesOnArrival(8, raise_instead=True), 4, num_workers=2) as loader:
-        with pytest.raises(aioloader.DatasetPickleError, match="RuntimeError: this dataset cannot be unpickled in pid"):
+        with pytest.raises(
+            aioloader.DatasetPickleError, match="RuntimeError: this dataset cannot be unpickled in pid"
+        ):
             collect(loader)
         assert loader.stats().restarts == 0  # no worker died for it
 
@@ -248,25 +274,36 @@ class _FlakyProcess:
     [ConnectionRefusedError(errno.ECONNREFUSED, "Connection refused"), OSError("handle is closed")],
     ids=["forkserver-gone", "handle-closed"],
 )
-def test_a_pool_failing_as_it_starts_is_rebuilt(collect: Any, monkeypatch: pytest.MonkeyPatch, exc: Exception) -> None:
+def test_a_pool_failing_as_it_starts_is_rebuilt(
+    collect: Any, monkeypatch: pytest.MonkeyPatch, exc: Exception
+) -> None:
     ctx = _pool.default_mp_context()
     monkeypatch.setattr(ctx, "Process", _FlakyProcess(type(ctx).Process, exc, fail=1))
     with aioloader.DataLoader(RangeDataset(16), 4, num_workers=2, mp_context=ctx) as loader:
-        assert [b[1].tolist() for b in collect(loader)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+        assert [b[1].tolist() for b in collect(loader)] == [
+            [0, 1, 2, 3],
+            [4, 5, 6, 7],
+            [8, 9, 10, 11],
+            [12, 13, 14, 15],
+        ]
         assert loader.stats().restarts >= 1
 
 
 @pytest.mark.parametrize(
     ("factory", "code"), [("Lock", errno.EROFS), ("RawArray", errno.ENOSPC)], ids=["read-only", "full"]
 )
-def test_unusable_dev_shm_is_a_clear_error(collect: Any, monkeypatch: pytest.MonkeyPatch, factory: str, code: int) -> None:
+def test_unusable_dev_shm_is_a_clear_error(
+    collect: Any, monkeypatch: pytest.MonkeyPatch, factory: str, code: int
+) -> None:
     ctx = _pool.default_mp_context()
 
     def refuse(*_: Any, **__: Any) -> Any:
         raise OSError(code, os.strerror(code))
 
     monkeypatch.setattr(ctx, factory, refuse)
-    with aioloader.DataLoader(RangeDataset(8), 4, num_workers=2, mp_context=ctx, transport="pickle") as loader:
+    with aioloader.DataLoader(
+        RangeDataset(8), 4, num_workers=2, mp_context=ctx, transport="pickle"
+    ) as loader:
         with pytest.raises(aioloader.PoolBrokenError, match="/dev/shm") as info:
             collect(loader)
         assert os.strerror(code) in str(info.value) and info.value.errno == code
@@ -320,7 +357,12 @@ def _helper_script(mode: str, timeout: float) -> Any:
     env = dict(os.environ, PYTHONPATH=str(REPO))
     proc = subprocess.run(
         [sys.executable, "-m", "tests._pool_helpers", mode],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.splitlines()[-1])
@@ -334,14 +376,25 @@ def test_a_multiprocessing_child_holding_a_loader_exits() -> None:
     """Defect: multiprocessing's exit in a child joins its non-daemonic children (our
     workers) before any exit hook of ours ran, so such a child never exited."""
     codes = _helper_script("child-exit", 200)
-    assert codes == {f"{m}-{h}": (0 if h == "return" else 1) for m in ("spawn", "forkserver", "fork")
-                     for h in ("return", "raise")}
+    assert codes == {
+        f"{m}-{h}": (0 if h == "return" else 1)
+        for m in ("spawn", "forkserver", "fork")
+        for h in ("return", "raise")
+    }
 
 
 # -------------------------------------------------------------------- house rules
 def test_only_the_generation_module_reads_executor_internals() -> None:
-    names = ("_processes", "_executor_manager_thread", "_forkserver", "_threads_queues", "_global_shutdown",
-             "_max_workers", "_register_atexit", "_launch_processes")
+    names = (
+        "_processes",
+        "_executor_manager_thread",
+        "_forkserver",
+        "_threads_queues",
+        "_global_shutdown",
+        "_max_workers",
+        "_register_atexit",
+        "_launch_processes",
+    )
     pkg = Path(aioloader.__file__).resolve().parent
     for path in pkg.rglob("*.py"):
         if path.name == "_generation.py":

@@ -103,8 +103,18 @@ def test_idx_offset_not_at_a_header(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "line",
     ["abc\t0", "1 0", "1\t", "\t0", "", "1\t2\t3", "1\t-8", "-\t0", "1\t0x10", "9" * 19 + "\t0"],
-    ids=["letters", "space", "no-offset", "no-key", "blank", "three-fields", "negative-offset",
-         "bare-sign", "hex", "huge"],
+    ids=[
+        "letters",
+        "space",
+        "no-offset",
+        "no-key",
+        "blank",
+        "three-fields",
+        "negative-offset",
+        "bare-sign",
+        "hex",
+        "huge",
+    ],
 )
 def test_malformed_idx_line(tmp_path: Path, line: str) -> None:
     rec, idx, _ = good_pair(tmp_path, 3)
@@ -130,8 +140,17 @@ def test_malformed_idx_line(tmp_path: Path, line: str) -> None:
         (struct.pack("<II", MAGIC, 100) + b"short", "truncated"),
         (struct.pack("<II", MAGIC, (1 << 29) - 1), "truncated"),  # huge length, tiny file
     ],
-    ids=["starts-middle", "starts-last", "first-then-whole", "first-then-first", "cflag-5",
-         "missing-last", "bad-continuation-magic", "short-data", "absurd-length"],
+    ids=[
+        "starts-middle",
+        "starts-last",
+        "first-then-whole",
+        "first-then-first",
+        "cflag-5",
+        "missing-last",
+        "bad-continuation-magic",
+        "short-data",
+        "absurd-length",
+    ],
 )
 def test_bad_part_sequences(tmp_path: Path, data: bytes, match: str) -> None:
     rec = write_raw(tmp_path / "b.rec", data)
@@ -166,8 +185,7 @@ def corrupt(path: Path, edits: list[tuple[int, int]], cut: int | None) -> None:
 )
 @given(
     records=st.lists(payloads_st, min_size=1, max_size=6),
-    edits=st.lists(st.tuples(st.integers(0, 2**20), st.one_of(interesting, st.integers(0, 255))),
-                   max_size=4),
+    edits=st.lists(st.tuples(st.integers(0, 2**20), st.one_of(interesting, st.integers(0, 255))), max_size=4),
     cut=st.one_of(st.none(), st.integers(0, 2**20)),
     idx_edits=st.lists(st.tuples(st.integers(0, 2**16), idx_chars), max_size=2),
     idx_cut=st.one_of(st.none(), st.integers(0, 2**16)),

@@ -40,7 +40,11 @@ def run(coro: Any) -> Any:
 def same_sample(a: Any, b: Any) -> bool:
     if isinstance(a, bytes):
         return a == b
-    return bool(np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]) and np.asarray(a[1]).dtype == np.asarray(b[1]).dtype)
+    return bool(
+        np.array_equal(a[0], b[0])
+        and np.array_equal(a[1], b[1])
+        and np.asarray(a[1]).dtype == np.asarray(b[1]).dtype
+    )
 
 
 # -- ObjectStore
@@ -75,7 +79,9 @@ def test_many_requests_in_flight(s3: S3Server, jpegs: dict[str, bytes]) -> None:
 def test_missing_key_names_key_and_url(s3: S3Server) -> None:
     store = ObjectStore(s3.url("jpegs"), **s3.options)
     for call in (lambda: run(store.get("nope.jpg")), lambda: store.get_range_sync("nope.jpg", 0, 4)):
-        with pytest.raises(FileNotFoundError, match=rf"no such object in s3://{s3.bucket}/jpegs: 'nope\.jpg'") as info:
+        with pytest.raises(
+            FileNotFoundError, match=rf"no such object in s3://{s3.bucket}/jpegs: 'nope\.jpg'"
+        ) as info:
             call()
         assert info.value.filename == "nope.jpg"
         cause = info.value.__cause__
@@ -188,7 +194,11 @@ def test_a_child_forked_after_requests_refuses_instead_of_hanging(tmp_path: Path
     # obstore's runtime threads do not survive fork: without the check the child waits forever.
     (tmp_path / "a").write_bytes(b"xyz")
     out = subprocess.run(
-        [sys.executable, "-c", _FORK_SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=60, check=True
+        [sys.executable, "-c", _FORK_SCRIPT, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
     )
     assert "child exit 0" in out.stdout, out.stdout + out.stderr
 
@@ -267,7 +277,9 @@ def test_record_datasets_from_s3_equal_the_local_file(kind: str, s3: S3Server) -
 @pytest.mark.parametrize("kind", ["raw", "images"])
 def test_record_datasets_from_s3_through_the_loader(kind: str, s3: S3Server, collect: Any) -> None:
     local, remote = _pair(kind, s3)
-    with DataLoader(remote, batch_size=3, num_workers=2, collate_fn=list, prefetch_next_epoch=False) as loader:
+    with DataLoader(
+        remote, batch_size=3, num_workers=2, collate_fn=list, prefetch_next_epoch=False
+    ) as loader:
         batches = collect(loader)
         # the records were range reads on the event loop (the fetch stage), not in workers
         assert loader.stats().fetches == len(local)
@@ -285,7 +297,9 @@ def test_shuffled_epochs_over_s3_equal_the_local_ones(s3: S3Server, tmp_path: Pa
     local = RecordFileDataset(tmp_path / "many.rec")
     epochs = []
     for dataset in (remote, local):
-        with DataLoader(dataset, batch_size=7, shuffle=True, seed=11, num_workers=2, collate_fn=list) as loader:
+        with DataLoader(
+            dataset, batch_size=7, shuffle=True, seed=11, num_workers=2, collate_fn=list
+        ) as loader:
             epochs.append(collect(loader))
     assert epochs[0] == epochs[1]
     flat = [r for batch in epochs[0] for r in batch]
@@ -300,7 +314,9 @@ def test_a_read_failing_in_a_worker_names_the_key(http_server: HTTPServer, colle
     dataset = RecordFileDataset(f"{http_server.base}/gone/raw.rec", store_options={"allow_http": True})
     (gone / "raw.rec").unlink()  # after the dataset read its size and .idx
     with DataLoader(dataset, batch_size=4, num_workers=2, collate_fn=list) as loader:
-        with pytest.raises(FileNotFoundError, match=rf"no such object in {http_server.base}/gone: 'raw\.rec'"):
+        with pytest.raises(
+            FileNotFoundError, match=rf"no such object in {http_server.base}/gone: 'raw\.rec'"
+        ):
             collect(loader)
 
 
@@ -336,7 +352,9 @@ def test_remote_contract_applies_the_dataset_transform(s3: S3Server) -> None:
     assert np.array_equal(np.asarray(sample[0]), np.asarray(remote[2][0]))
 
 
-def test_long_and_multipart_records_past_the_first_read(s3: S3Server, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_long_and_multipart_records_past_the_first_read(
+    s3: S3Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # A first read of 12 bytes sees only the first part header: the rest of every record
     # (including the split ones and the 70,001-byte one) comes from further range reads.
     monkeypatch.setattr(rio_remote, "SPAN_LIMIT", 12)
@@ -351,7 +369,9 @@ def test_long_and_multipart_records_past_the_first_read(s3: S3Server, monkeypatc
 def test_idx_elsewhere_and_missing(s3: S3Server, tmp_path: Path) -> None:
     local = RecordFileDataset(MXNET_FIXTURES / "raw.rec")
     s3.put("elsewhere/raw-index.idx", (MXNET_FIXTURES / "raw.idx").read_bytes())
-    by_url = RecordFileDataset(s3.url("mxnet/raw.rec"), s3.url("elsewhere/raw-index.idx"), store_options=s3.options)
+    by_url = RecordFileDataset(
+        s3.url("mxnet/raw.rec"), s3.url("elsewhere/raw-index.idx"), store_options=s3.options
+    )
     by_path = RecordFileDataset(s3.url("mxnet/raw.rec"), MXNET_FIXTURES / "raw.idx", store_options=s3.options)
     assert [by_url[i] for i in range(len(local))] == [local[i] for i in range(len(local))]
     assert [by_path[i] for i in range(len(local))] == [local[i] for i in range(len(local))]
@@ -403,7 +423,11 @@ def test_damaged_remote_records_fail_as_the_local_ones(s3: S3Server, tmp_path: P
             try:
                 expected = local[i]
             except RecordIOError as err:
-                want = (str(err).replace(str(tmp_path / f"{name}.rec"), remote.reader.path), err.key, err.offset)
+                want = (
+                    str(err).replace(str(tmp_path / f"{name}.rec"), remote.reader.path),
+                    err.key,
+                    err.offset,
+                )
                 for got in _remote_errors(remote, i):
                     assert (str(got), got.key, got.offset) == want
                     assert got.path == remote.reader.path

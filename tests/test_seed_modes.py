@@ -30,7 +30,9 @@ def by_batch(batches: list[Any]) -> dict[tuple[int, ...], bytes]:
     return {tuple(idx.tolist()): np.asarray(data).tobytes() for data, idx in batches}
 
 
-def contract(mode: _seeding.SeedMode, seed: int, epoch: int, batches: list[list[int]], n: int) -> dict[tuple[int, ...], bytes]:
+def contract(
+    mode: _seeding.SeedMode, seed: int, epoch: int, batches: list[list[int]], n: int
+) -> dict[tuple[int, ...], bytes]:
     """What the documented contract says each batch holds, computed here with the public
     pieces of ``_seeding`` (no loader, no worker)."""
     state = random.getstate(), np.random.get_state()
@@ -64,7 +66,11 @@ def test_sample_seeds_are_sample_seed_of_every_index() -> None:
 
 def test_batch_key_is_a_function_of_seed_epoch_and_the_indices_in_order() -> None:
     key = _seeding.batch_key(1, 2, [4, 8, 15])
-    assert key == _seeding.batch_key(1, 2, np.array([4, 8, 15])) == _seeding.batch_key(1, 2, np.array([4, 8, 15]).tobytes())
+    assert (
+        key
+        == _seeding.batch_key(1, 2, np.array([4, 8, 15]))
+        == _seeding.batch_key(1, 2, np.array([4, 8, 15]).tobytes())
+    )
     others = [
         _seeding.batch_key(1, 2, [8, 4, 15]),  # order
         _seeding.batch_key(1, 2, [4, 8]),  # fewer
@@ -147,7 +153,9 @@ def test_identical_after_a_crash(mode: str, tmp_path: Path) -> None:
     opts: dict[str, Any] = {"batch_size": 5, "shuffle": True, "seed": 9, "seed_samples": mode}
     with aioloader.DataLoader(AugmentedDataset(30), **opts) as loader:
         clean = by_batch(list(loader))
-    with aioloader.DataLoader(AugmentedCrashDataset(30, 11, str(tmp_path / "crashed")), num_workers=2, **opts) as loader:
+    with aioloader.DataLoader(
+        AugmentedCrashDataset(30, 11, str(tmp_path / "crashed")), num_workers=2, **opts
+    ) as loader:
         crashed = by_batch(list(loader))
         assert loader.stats().restarts == 1
     assert crashed == clean
@@ -231,7 +239,13 @@ class SeedCallsSoFar(RangeDataset):
 def test_seeding_calls_per_batch_in_workers(mode: Any, collect: Any) -> None:
     """Every sample of a batch sees the same count in ``"batch"`` mode (the generators
     were seeded once, before the batch); one more per sample in ``"sample"`` mode."""
-    opts = {"shuffle": True, "seed": 1, "num_workers": 2, "worker_init_fn": count_seed_calls, **mode_opts(mode)}
+    opts = {
+        "shuffle": True,
+        "seed": 1,
+        "num_workers": 2,
+        "worker_init_fn": count_seed_calls,
+        **mode_opts(mode),
+    }
     with aioloader.DataLoader(SeedCallsSoFar(48), 8, **opts) as loader:
         batches = collect(loader)
     assert len(batches) == 6

@@ -136,7 +136,9 @@ async def test_admission_control_rejects_at_once_or_waits_with_block() -> None:
 
 @pytest.mark.asyncio
 async def test_a_killed_worker_costs_no_request(tmp_path: Path) -> None:
-    async with Batcher(H.DieOnce(str(tmp_path), victim=3), batch_size=2, max_latency=0.01, num_workers=1) as b:
+    async with Batcher(
+        H.DieOnce(str(tmp_path), victim=3), batch_size=2, max_latency=0.01, num_workers=1
+    ) as b:
         out = await b.submit_many(range(6))
         st = b.stats()
     assert [x for x, _ in out] == list(range(6))

@@ -219,4 +219,3 @@ def test_a_killed_consumer_leaves_no_segment(tmp_path: Path) -> None:
             proc.stdin.close()
         if proc.stdout is not None:
             proc.stdout.close()
-

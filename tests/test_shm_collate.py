@@ -98,7 +98,9 @@ def schemas(leaves: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
     return st.recursive(leaves, grow, max_leaves=10)
 
 
-shapes = st.one_of(st.lists(st.integers(1, 6), max_size=3).map(tuple), st.sampled_from([(16, 17), (2, 9, 11), (130,)]))
+shapes = st.one_of(
+    st.lists(st.integers(1, 6), max_size=3).map(tuple), st.sampled_from([(16, 17), (2, 9, 11), (130,)])
+)
 numpy_leaves = st.one_of(
     st.tuples(st.just("array"), shapes, st.sampled_from(DTYPES)),
     st.sampled_from(["int", "float", "bool", "np_float", "fraction", "str", "bytes", "none", "range"]).map(
@@ -122,7 +124,9 @@ def batches(draw: st.DrawFn, leaves: st.SearchStrategy[Any]) -> tuple[Any, int, 
 def property_check(run: Callable[..., Any], leaves: st.SearchStrategy[Any], examples: int) -> None:
     placed: list[int] = []
 
-    @settings(max_examples=examples, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+    @settings(
+        max_examples=examples, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
+    )
     @given(batches(leaves))
     def check(case: tuple[Any, int, Any]) -> None:
         placed.append(compare(run, *case))
@@ -166,7 +170,9 @@ def test_torch_tensors_travel_in_shared_memory(worker: Callable[..., Any]) -> No
     assert type(image) is torch.Tensor and image.shape == (8, 3, 64, 64)
     D.assert_same(got, default_collate(D.build_samples(schema, 8, None)))
     assert D.shm_backed(image)
-    slab = next(s for s in _shm._decode._slabs.values() if s.addr <= image.data_ptr() < s.addr + s.mapping.size)
+    slab = next(
+        s for s in _shm._decode._slabs.values() if s.addr <= image.data_ptr() < s.addr + s.mapping.size
+    )
     ticket = int(slab.state[0])
     assert ticket != 0
     part = image[2:4]  # a view of the tensor keeps the slab busy too

@@ -35,8 +35,13 @@ _KEYS = {
     "C": _COMMON | {"id"},
     "M": {"name", "ph", "pid", "tid", "args", "cat"},
 }
-_METADATA = {"process_name": "name", "process_labels": "labels", "thread_name": "name",
-             "process_sort_index": "sort_index", "thread_sort_index": "sort_index"}
+_METADATA = {
+    "process_name": "name",
+    "process_labels": "labels",
+    "thread_name": "name",
+    "process_sort_index": "sort_index",
+    "thread_sort_index": "sort_index",
+}
 
 
 def _is_int(v: Any) -> bool:
@@ -56,7 +61,9 @@ def validate_trace(text: str) -> dict[tuple[int, int], str]:
 
     doc = json.loads(text, parse_constant=no_constants)
     if isinstance(doc, dict):
-        assert set(doc) <= {"traceEvents", "displayTimeUnit", "otherData", "stackFrames", "samples"}, doc.keys()
+        assert set(doc) <= {"traceEvents", "displayTimeUnit", "otherData", "stackFrames", "samples"}, (
+            doc.keys()
+        )
         assert doc.get("displayTimeUnit", "ms") in ("ms", "ns")
         assert isinstance(doc.get("otherData", {}), dict)
         events = doc["traceEvents"]
@@ -77,7 +84,9 @@ def validate_trace(text: str) -> dict[tuple[int, int], str]:
         assert isinstance(ev.get("name"), str) and ev["name"], where
         # process-level metadata may leave the thread out; every other event names both
         process_level = ph == "M" and ev["name"].startswith("process_") and "tid" not in ev
-        assert _is_int(ev.get("pid")) and (process_level or _is_int(ev.get("tid"))), f"{where}: pid and tid must be integers"
+        assert _is_int(ev.get("pid")) and (process_level or _is_int(ev.get("tid"))), (
+            f"{where}: pid and tid must be integers"
+        )
         assert isinstance(ev.get("args", {}), dict), where
         track = (ev["pid"], ev.get("tid", 0))
         if ph == "M":
@@ -115,8 +124,10 @@ def _spans(doc: dict[str, Any], threads: dict[tuple[int, int], str], track: str)
 
 def test_validator_rejects_what_tools_reject() -> None:
     span = {"name": "a", "ph": "X", "pid": 1, "tid": 2, "ts": 5.0, "dur": 1.0}
-    names = [{"name": "thread_name", "ph": "M", "pid": 1, "tid": 2, "args": {"name": "t"}},
-             {"name": "process_name", "ph": "M", "pid": 1, "tid": 2, "args": {"name": "p"}}]
+    names = [
+        {"name": "thread_name", "ph": "M", "pid": 1, "tid": 2, "args": {"name": "t"}},
+        {"name": "process_name", "ph": "M", "pid": 1, "tid": 2, "args": {"name": "p"}},
+    ]
     assert validate_trace(json.dumps({"traceEvents": [*names, span]})) == {(1, 2): "t"}
     bad = [
         ({**span, "tid": "batches"}, "integers"),
@@ -148,7 +159,9 @@ def test_trace_file_has_worker_tracks_and_consumer_waits(collect, tmp_path: Path
     batches = _spans(doc, threads, "batches")
     waits = _spans(doc, threads, "consumer")
     # epoch 0's six batches, plus the first of epoch 1 built speculatively at the boundary
-    assert sorted(e["name"] for e in batches if e["name"].endswith("epoch 0")) == [f"batch {k} of epoch 0" for k in range(6)]
+    assert sorted(e["name"] for e in batches if e["name"].endswith("epoch 0")) == [
+        f"batch {k} of epoch 0" for k in range(6)
+    ]
     assert {e["pid"] for e in batches} <= pids
     assert len(waits) == 6 and len({(e["pid"], e["tid"]) for e in waits}) == 1
     names = {e["args"]["name"] for e in doc["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"}
@@ -204,7 +217,9 @@ def test_tracing_context_manager_covers_only_its_block(tmp_path: Path) -> None:
 # ------------------------------------------------------------------ statistics
 def test_stats_epoch_boundary_and_stall() -> None:
     async def main() -> aioloader.LoaderStats:
-        async with aioloader.DataLoader(SlowDataset(32, 0.001), 4, num_workers=2, shuffle=True, seed=0) as loader:
+        async with aioloader.DataLoader(
+            SlowDataset(32, 0.001), 4, num_workers=2, shuffle=True, seed=0
+        ) as loader:
             for _ in range(3):
                 async for _b in loader:
                     pass
@@ -236,7 +251,9 @@ def test_printed_stats_name_the_counts(collect: Callable[..., list[Any]]) -> Non
             collect(loader)
         st = loader.stats()
     assert empty["Loader"].startswith("Loader: 0 batches, 0 samples, 0 epochs")
-    assert "- batches/s, - samples/s" in empty["throughput"] and empty["first batch ms by epoch"].endswith(": -")
+    assert "- batches/s, - samples/s" in empty["throughput"] and empty["first batch ms by epoch"].endswith(
+        ": -"
+    )
     by = _lines(st)
     assert by["Loader"].startswith("Loader: 4 batches, 12 samples, 2 epochs, ")
     assert f"{st.batches_per_s:,.1f} batches/s, {st.samples_per_s:,.1f} samples/s" in by["throughput"]

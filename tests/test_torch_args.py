@@ -57,7 +57,9 @@ def test_persistent_workers_without_workers_is_refused_as_in_torch() -> None:
     aioloader.DataLoader(RangeDataset(4), 2, num_workers=0, persistent_workers=False).close()
     # a shared pool's workers are what count (num_workers is ignored with pool=)
     with aioloader.WorkerPool(1) as pool:
-        loader = aioloader.DataLoader(RangeDataset(4), 2, pool=pool, persistent_workers=True, prefetch_factor=3)
+        loader = aioloader.DataLoader(
+            RangeDataset(4), 2, pool=pool, persistent_workers=True, prefetch_factor=3
+        )
         assert loader.prefetch == 3
         loader.close()
 
@@ -106,7 +108,9 @@ def test_multiprocessing_context_spawn_really_spawns(collect, how: str) -> None:
 
 def test_multiprocessing_context_conflicts_and_bad_values() -> None:
     with pytest.raises(ValueError, match="mp_context or multiprocessing_context"):
-        aioloader.DataLoader(RangeDataset(4), num_workers=1, mp_context="spawn", multiprocessing_context="spawn")
+        aioloader.DataLoader(
+            RangeDataset(4), num_workers=1, mp_context="spawn", multiprocessing_context="spawn"
+        )
     with pytest.raises(ValueError, match="multiprocessing_context: unknown start method 'bogus'"):
         aioloader.DataLoader(RangeDataset(4), num_workers=1, multiprocessing_context="bogus")
     with pytest.raises(TypeError, match="multiprocessing_context"):
@@ -133,7 +137,9 @@ def test_generator_seeds_the_order(collect) -> None:
         with aioloader.DataLoader(RangeDataset(40), 8, shuffle=True, generator=g) as loader:
             return loader.seed, ids_of(collect(loader))
 
-    expected_seed = int(torch.empty((), dtype=torch.int64).random_(generator=torch.Generator().manual_seed(5)))
+    expected_seed = int(
+        torch.empty((), dtype=torch.int64).random_(generator=torch.Generator().manual_seed(5))
+    )
     seed_a, a = order(5)
     seed_b, b = order(5)
     seed_c, c = order(6)
@@ -323,4 +329,6 @@ def test_pin_memory_reaches_every_tensor_of_a_batch(collect, monkeypatch: pytest
     # tensors too, and all three are pinned.
     assert all(getattr(b[k], "pinned_by_test", False) for b in got for k in ("t", "a", "i"))
     assert calls == ["cuda:0"] * 9
-    assert aioloader._torch_compat.pin_tensors((torch.zeros(1), [torch.ones(1)], "x"), "")[1][0].pinned_by_test
+    assert aioloader._torch_compat.pin_tensors((torch.zeros(1), [torch.ones(1)], "x"), "")[1][
+        0
+    ].pinned_by_test

@@ -115,7 +115,9 @@ def test_workers_report_torch_worker_info(collect: Callable[..., list[Any]]) -> 
         got = collect(loader)
     assert [int(i) for b in got for i in b["i"]] == list(range(12))
     for b in got:
-        for wid, n, seed, same in zip(b["id"].tolist(), b["num_workers"].tolist(), b["seed"].tolist(), b["same"].tolist(), strict=True):
+        for wid, n, seed, same in zip(
+            b["id"].tolist(), b["num_workers"].tolist(), b["seed"].tolist(), b["same"].tolist(), strict=True
+        ):
             assert wid in (0, 1) and n == 2 and same
             assert seed == worker_seed(7, wid)
 
@@ -123,7 +125,9 @@ def test_workers_report_torch_worker_info(collect: Callable[..., list[Any]]) -> 
 def test_worker_init_fn_sees_worker_info(collect: Callable[..., list[Any]]) -> None:
     from ._torch_datasets import InitSeenDataset, record_worker_info
 
-    with aioloader.DataLoader(InitSeenDataset(6), 2, num_workers=2, worker_init_fn=record_worker_info) as loader:
+    with aioloader.DataLoader(
+        InitSeenDataset(6), 2, num_workers=2, worker_init_fn=record_worker_info
+    ) as loader:
         got = collect(loader)
     for b in got:
         for wid, info_id, n in zip(*(t.tolist() for t in b), strict=True):
@@ -179,14 +183,19 @@ def test_batch_size_none_gives_collate_fn_the_sample(collect: Callable[..., list
     from ._datasets import RangeDataset
     from ._torch_datasets import describe_sample
 
-    with aioloader.DataLoader(RangeDataset(3), batch_size=None, collate_fn=describe_sample, num_workers=2) as loader:
+    with aioloader.DataLoader(
+        RangeDataset(3), batch_size=None, collate_fn=describe_sample, num_workers=2
+    ) as loader:
         assert collect(loader) == [("tuple", 2)] * 3
 
 
 @pytest.mark.parametrize(
     ("kwargs", "named"),
-    [({"drop_last": True}, "drop_last=True"), ({"last_batch": "rollover"}, "last_batch='rollover'"),
-     ({"batch_sampler": [[0, 1]]}, "batch_sampler")],
+    [
+        ({"drop_last": True}, "drop_last=True"),
+        ({"last_batch": "rollover"}, "last_batch='rollover'"),
+        ({"batch_sampler": [[0, 1]]}, "batch_sampler"),
+    ],
 )
 def test_batch_size_none_refuses_batching_arguments(kwargs: dict[str, Any], named: str) -> None:
     from ._datasets import RangeDataset
@@ -209,7 +218,9 @@ def test_iterable_dataset_with_len_is_iterated_not_indexed() -> None:
 def test_batch_size_none_resumes_mid_epoch() -> None:
     from ._datasets import RangeDataset
 
-    with aioloader.DataLoader(RangeDataset(6), batch_size=None, num_workers=2, shuffle=True, seed=1) as loader:
+    with aioloader.DataLoader(
+        RangeDataset(6), batch_size=None, num_workers=2, shuffle=True, seed=1
+    ) as loader:
         whole = [i for _, i in loader]
         it = iter(loader)
         head = [next(it)[1] for _ in range(3)]
