@@ -211,6 +211,13 @@ class LoaderBase:
                 self._pool.register(self._token, payload)
             self._state = Lifecycle.OPEN
 
+    async def _open(self) -> None:
+        """Before a pass begins: the loader must not be closed, and is made OPEN (the
+        payload pickled off the caller's loop) if it is still NEW."""
+        self._check_open()
+        if self._state is Lifecycle.NEW:
+            await asyncio.get_running_loop().run_in_executor(None, self._prepare)
+
     def _install_inline(self, ctx: _worker.WorkerContext) -> None:
         _worker.install_context(self._token, ctx)
 

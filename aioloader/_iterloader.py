@@ -11,7 +11,6 @@ already delivered (an iterable dataset has no other position).
 
 from __future__ import annotations
 
-import asyncio
 import math
 import threading
 from collections.abc import Callable, Sequence
@@ -21,7 +20,7 @@ from . import _worker
 from ._engine.epochs import WorkerSide
 from ._engine.run import Run
 from ._engine.shards import ShardPosition, ShardSource
-from ._facade import Lifecycle, Pass
+from ._facade import Pass
 from ._stats import Recorder
 from ._torch_compat import PinningPass
 from ._validate import check_bool, check_int
@@ -165,10 +164,7 @@ class IterableDataLoader(DataLoader[Any]):
             self._next_position = ShardPosition.start(epoch, self._shards)
 
     async def _begin(self) -> Pass:
-        self._check_open()
-        loop = asyncio.get_running_loop()
-        if self._state is Lifecycle.NEW:
-            await loop.run_in_executor(None, self._prepare)
+        await self._open()
         with self._lock:
             self._check_open()
             previous = self._iter_active

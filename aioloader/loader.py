@@ -362,15 +362,12 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
 
     # ------------------------------------------------------------------ iteration
     async def _begin(self) -> Pass:
-        self._check_open()
-        loop = asyncio.get_running_loop()
-        if self._state is Lifecycle.NEW:
-            await loop.run_in_executor(None, self._prepare)
+        await self._open()
         with self._lock:
             self._check_open()
             cur = self._next
             parked, self._parked = self._parked, None
-            if parked is not None and self._parked_fits(parked, cur, loop):
+            if parked is not None and self._parked_fits(parked, cur, asyncio.get_running_loop()):
                 run, source = parked.run, parked.source
                 plan = source.begin(cur.epoch)
                 cur = dataclasses.replace(cur, length=plan.length)
