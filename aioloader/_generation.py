@@ -45,6 +45,7 @@ import gc
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass, field
 from multiprocessing import resource_tracker as mp_tracker
@@ -89,6 +90,8 @@ class Generation:
     crash: CrashInfo | None = None  # the pool's verdict, once retired
     lock: threading.Lock = field(default_factory=threading.Lock)
     tokens: frozenset[str] = frozenset()  # the payloads its workers receive when they start
+    # Its submissions (the pool's Jobs), for the ones left unsettled once it is retired.
+    jobs: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
 
     @classmethod
     def processes_of(

@@ -248,6 +248,7 @@ class WorkerPool:
             return job
         try:
             job.future = gen.submit(_reply.Entry(fn, gen.origin), task)
+            gen.jobs.add(job)
         except Exception as exc:
             self._refused(gen, exc)
             job.stopped = True
@@ -358,6 +359,7 @@ class WorkerPool:
                 self._drop(gen)
                 gen.retire(grace=0.0)
                 gen.crash = self._conclude(gen)
+                _release_stranded(gen)
         if gen.crash.fatal is not None:
             raise gen.crash.fatal
         return gen.crash
@@ -426,3 +428,17 @@ class WorkerPool:
 
 def _stopped(job: Job) -> bool:
     return job.stopped
+
+
+def _release_stranded(gen: Generation) -> None:
+    """After a process generation is retired (its workers killed, its manager thread
+    joined), every future it had should be settled. One that is not never will be, and
+    its task would wait for ever: it is reported lost like the others (and resubmitted,
+    charged only if its own worker died holding it). A safety net: no path is known to
+    leave one, but a hang here would be silent."""
+    if gen.processes is None:
+        return  # threads: a task still running after retire() is running, not stranded
+    for job in list(gen.jobs):
+        if job.future is None or not job.future.done():
+            job.stopped = True
+            job.wake()

@@ -407,3 +407,33 @@ def test_only_the_generation_module_reads_executor_internals() -> None:
         assert not [n for n in names if f".{n}" in text or f'"{n}"' in text], path.name
     dispatch = (pkg / "_engine" / "dispatch.py").read_text()
     assert ".kind" not in dispatch and "thread_starts" not in dispatch
+
+
+def test_a_future_left_unsettled_by_a_retired_generation_is_reported_lost() -> None:
+    """The safety net behind "never hangs": once a process generation is retired, a
+    submission whose future it never settled is woken as lost (and so resubmitted)
+    instead of waiting for ever."""
+    import concurrent.futures as cf
+
+    from aioloader import _pool
+
+    pool = aioloader.WorkerPool(1)
+    try:
+        gen = pool.start()
+        stranded = _pool.Job(gen, task_id=-1, submit_ns=0, future=cf.Future())  # nobody will settle it
+        gen.jobs.add(stranded)
+
+        async def main() -> str:
+            waiting = asyncio.ensure_future(pool.result(stranded))
+            await asyncio.sleep(0)  # it now waits on its waiter
+            assert not waiting.done()
+            await asyncio.get_running_loop().run_in_executor(None, _pool._release_stranded, gen)
+            try:
+                await asyncio.wait_for(waiting, 10)
+            except _pool.Lost:
+                return "lost"
+            return "settled"
+
+        assert asyncio.run(main()) == "lost"
+    finally:
+        pool.close()
