@@ -480,8 +480,9 @@ ORPHAN_SCRIPT = textwrap.dedent(
     if __name__ == "__main__":
         loader = aioloader.DataLoader(SlowDataset(100000, 0.002), 8, num_workers=2)
         for i, batch in enumerate(loader):
-            if i == 2:
-                pathlib.Path({pids!r}).write_text(" ".join(map(str, loader.worker_pids())))
+            if i == 2:  # written whole, then renamed: the test waits for the name
+                pathlib.Path({pids!r} + ".tmp").write_text(" ".join(map(str, loader.worker_pids())))
+                os.replace({pids!r} + ".tmp", {pids!r})
     """
 )
 
