@@ -111,15 +111,14 @@ class IterableDataLoader(DataLoader[Any]):
         kwargs.pop("seed_samples", None)  # each shard is seeded once, as it begins (docs/determinism.md)
         drop_last = kwargs.pop("drop_last", None)
         last_batch = kwargs.pop("last_batch", "keep")
-        self._iter_drop_last = (
+        discard = (
             bool(check_bool("drop_last", drop_last)) if drop_last is not None else last_batch == "discard"
         )
         # The DataLoader's own validation, on a stand-in map-style dataset of length 0:
         # every other argument means the same here.
         super().__init__(_NoSamples(), batch_size, **kwargs)
-        self.__dict__["dataset"] = dataset
-        self.__dict__["last_batch"] = "discard" if self._iter_drop_last else "keep"
-        self._iterable = dataset
+        self.__dict__["dataset"] = dataset  # past the frozen attributes' guard: set once, here
+        self.__dict__["last_batch"] = "discard" if discard else "keep"  # drop_last reads it
         self._shards = self._pool.concurrency if self._pool.kind == "process" else 1
         self._next_position = ShardPosition.start(0, self._shards)
         self._iter_active: _ShardPass | None = None
@@ -127,7 +126,7 @@ class IterableDataLoader(DataLoader[Any]):
     # -------------------------------------------------------------------- payload
     def _worker_context(self) -> _worker.WorkerContext:
         return _worker.WorkerContext(
-            dataset=self._iterable,
+            dataset=self.dataset,
             transform=self.transform,
             collate_fn=self._transport.wrap_collate(self._worker_collate()),
             worker_init_fn=self.worker_init_fn,
@@ -137,11 +136,11 @@ class IterableDataLoader(DataLoader[Any]):
             unbatched=self.batch_size is None,
             iterable=True,
             batch_size=self.batch_size or 1,
-            drop_last=self._iter_drop_last,
+            drop_last=self.drop_last,
         )
 
     def _pickled_parts(self) -> Sequence[tuple[str, object]]:
-        return (("dataset", self._iterable), ("transform", self.transform), ("collate_fn", self.collate_fn),
+        return (("dataset", self.dataset), ("transform", self.transform), ("collate_fn", self.collate_fn),
                 ("worker_init_fn", self.worker_init_fn))  # fmt: skip
 
     # ------------------------------------------------------------------ iteration
@@ -149,10 +148,10 @@ class IterableDataLoader(DataLoader[Any]):
         """As torch computes it from ``len(dataset)`` (a ``TypeError`` without one):
         batches of ``batch_size``, the short last one counted unless ``drop_last``.
         The workers' own short batches can make an epoch longer than this."""
-        n = len(self._iterable)
+        n = len(self.dataset)
         if self.batch_size is None:
             return n
-        return n // self.batch_size if self._iter_drop_last else math.ceil(n / self.batch_size)
+        return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
 
     @property
     def epoch(self) -> int:
@@ -209,7 +208,7 @@ class IterableDataLoader(DataLoader[Any]):
                 "epoch": pos.epoch,
                 "num_workers": pos.num_shards,
                 "batch_size": self.batch_size,
-                "drop_last": self._iter_drop_last,
+                "drop_last": self.drop_last,
                 "delivered": list(pos.delivered),
                 "ended": list(pos.ended),
                 "turn": pos.turn,
@@ -224,7 +223,7 @@ class IterableDataLoader(DataLoader[Any]):
                 f"{type(state).__name__ if not isinstance(state, dict) else 'kind=' + repr(state.get('kind'))}"
             )
         expected = {"version": _STATE_VERSION, "num_workers": self._shards, "batch_size": self.batch_size,
-                    "drop_last": self._iter_drop_last}  # fmt: skip
+                    "drop_last": self.drop_last}  # fmt: skip
         for key, want in expected.items():
             if state.get(key) != want:
                 raise StateDictError(

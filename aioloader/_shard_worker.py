@@ -60,8 +60,7 @@ class ShardTask(NamedTuple):
 
 
 class ShardResult(NamedTuple):
-    data: Any  # always None: the batches went over the socket
-    batches: int  # how many the shard had
+    batches: int  # how many the shard had (its batches went over the socket)
     pid: int
     start_ns: int
     end_ns: int
@@ -79,7 +78,7 @@ def run_shard(task: ShardTask) -> ShardResult | str:
             sock.connect(task.address)
             _send(sock, ("hello", task.task_id, os.getpid()))
         except OSError:  # the consumer's run is over (or its socket cannot be reached)
-            return ShardResult(None, -1, os.getpid(), 0, 0)
+            return ShardResult(-1, os.getpid(), 0, 0)
         try:
             return _worker.run_task(task, functools.partial(_build, sock), ShardResult)
         finally:
@@ -127,7 +126,7 @@ def _batches(ctx: _worker.WorkerContext, task: ShardTask) -> Iterator[list[Any]]
             return
 
 
-def _build(sock: socket.socket, ctx: _worker.WorkerContext, task: ShardTask) -> tuple[None, int]:
+def _build(sock: socket.socket, ctx: _worker.WorkerContext, task: ShardTask) -> tuple[int]:
     if ctx.remote:  # a process of the pool: torch's worker info and seeding, per shard
         _worker.publish_shard_info(ctx, task.shard, task.num_shards, task.seed)
         _seeding.seed_worker(task.seed)
@@ -149,7 +148,7 @@ def _build(sock: socket.socket, ctx: _worker.WorkerContext, task: ShardTask) -> 
             while j >= task.skip and j >= limit:
                 got = _recv_credit(sock)
                 if got is None:  # the consumer closed the connection: the run is over
-                    return None, n
+                    return (n,)
                 limit = got
             samples = next(batches, None)
             if samples is None:
@@ -170,7 +169,7 @@ def _build(sock: socket.socket, ctx: _worker.WorkerContext, task: ShardTask) -> 
             _send(sock, ("batch", j, len(samples), batch))
     except (BrokenPipeError, ConnectionResetError):
         pass  # the consumer closed the connection: the run is over
-    return None, n
+    return (n,)
 
 
 def _send(sock: socket.socket, message: tuple[Any, ...]) -> None:

@@ -213,7 +213,6 @@ class ShardSource:
         self.side = side
         self.epoch = position.epoch
         self.num_shards = position.num_shards
-        self.position = position
         self.dispatcher = Dispatcher(pool, recorder, timeout, max_retries, is_closed, watch=False)
         self.timeout = timeout
         self.shards = [_Shard(self, s, position.delivered[s]) for s in range(self.num_shards)]
