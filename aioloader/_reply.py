@@ -74,6 +74,7 @@ from .errors import RemoteError, SharedMemoryError, add_note
 __all__ = [
     "INLINE_MAX",
     "Entry",
+    "Failed",
     "Origin",
     "Outcome",
     "RemoteTraceback",
@@ -170,6 +171,31 @@ class Entry:
 
 
 _note = add_note
+
+
+class Failed:
+    """One part of a reply that failed while the rest succeeded (a batch of a group):
+    its exception and traceback, ready to pickle; :meth:`exception` in the consumer
+    rebuilds it as a task's own exception arrives (a :class:`RemoteTraceback` cause)."""
+
+    __slots__ = ("exc", "tb")
+
+    def __init__(self, exc: BaseException, tb: str) -> None:
+        self.exc = exc
+        self.tb = tb
+
+    @classmethod
+    def of(cls, exc: BaseException) -> Failed:
+        return cls(*_portable(exc))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Failed, (self.exc, self.tb))
+
+    def exception(self) -> BaseException:
+        exc = self.exc
+        if exc.__cause__ is None:
+            exc.__cause__ = RemoteTraceback(self.tb)
+        return exc
 
 
 def travelling(exc: BaseException) -> BaseException:

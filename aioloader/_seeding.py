@@ -20,16 +20,18 @@ This module runs inside workers and must stay free of asyncio.
 
 from __future__ import annotations
 
+import hashlib
 import random
+import struct
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import numpy as np
 
 __all__ = [
-    "SeedMode", "batch_key", "enter_sample", "sample_key", "sample_rng", "sample_seed", "sample_seeds",
+    "BatchSeeds", "SeedMode", "batch_key", "enter_sample", "sample_key", "sample_rng", "sample_seed", "sample_seeds",
     "seed_sample", "seed_worker", "start_batch",
 ]  # fmt: skip
 
@@ -37,9 +39,25 @@ SeedMode = Literal["batch", "sample", False]
 """How a loader seeds the global generators: once per batch, before every sample, or not."""
 
 
+class BatchSeeds:
+    """The batch being built in this thread: the loop sets ``k`` to the position of the
+    sample it loads (one attribute store a sample) and calls ``hook(k)`` when it is not
+    ``None`` (``"sample"`` mode, which seeds the global generators for each sample)."""
+
+    __slots__ = ("epoch", "hook", "indices", "k", "rng", "rng_k", "seed")
+
+    def __init__(self, seed: int, epoch: int, indices: Sequence[int]) -> None:
+        self.seed, self.epoch, self.indices = seed, epoch, indices
+        self.k = 0
+        self.hook: Callable[[int], None] | None = None
+        self.rng: np.random.Generator | None = None
+        self.rng_k = -1  # the position ``rng`` was made for
+
+
 class _Local(threading.local):
-    key: tuple[int, int, int] | None = None
+    key: tuple[int, int, int] | None = None  # one sample's (enter_sample)
     rng: np.random.Generator | None = None
+    batch: BatchSeeds | None = None  # a batch's (start_batch)
 
 
 _local = _Local()
@@ -100,29 +118,15 @@ def sample_seeds(seed: int, epoch: int, indices: Any) -> np.ndarray:
     return _mix_array(_as_uint64(indices) ^ base)
 
 
-_powers = np.ones(0, dtype=np.uint64)
-
-
-def _odd_powers(n: int) -> np.ndarray:
-    """``K**0, K**1, ..., K**(n-1)`` modulo 2**64 for an odd ``K`` (cached, grown on demand)."""
-    global _powers
-    if len(_powers) < n:
-        size = max(n, 2 * len(_powers), 256)
-        steps = np.full(size, _C0, dtype=np.uint64)
-        steps[0] = 1
-        _powers = np.cumprod(steps, dtype=np.uint64)
-    return _powers[:n]
-
-
 def batch_key(seed: int, epoch: int, indices: Any) -> int:
     """The 64-bit key a batch seeds the global generators from in ``"batch"`` mode: a
-    pure function of ``(seed, epoch)`` and the batch's indices *in order* (a polynomial
-    hash of their sample seeds, then mixed), so never of the worker, the batch's position
-    in the epoch, the shard or the order batches are delivered in."""
-    seeds = sample_seeds(seed, epoch, indices)
-    n = len(seeds)
-    folded = int(np.dot(seeds, _odd_powers(n))) if n else 0
-    return _mix(folded ^ _mix((n + 0xBA7C) & _M64))
+    pure function of ``(seed, epoch)`` and the batch's indices *in order* (BLAKE2b of
+    their 64-bit forms, keyed with the seed and the epoch: a few µs for a batch of
+    thousands), so never of the worker, the batch's position in the epoch, the shard or
+    the order batches are delivered in."""
+    data = bytes(indices) if isinstance(indices, (bytes, bytearray, memoryview)) else _as_uint64(indices).tobytes()
+    key = struct.pack("<QQ", seed & _M64, epoch & _M64)
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8, key=key).digest(), "little")
 
 
 def _torch_generator() -> Any:
@@ -137,39 +141,36 @@ def _seed_globals(s64: int, gen: Any) -> None:
         gen.manual_seed(s64 >> 1)
 
 
-def start_batch(mode: SeedMode, seed: int, epoch: int, indices: Any) -> Callable[[int, int], None]:
-    """Prepare the seeding of one batch and return the hook to call before its ``k``-th
-    sample, index ``i``: ``hook(k, i)``. ``indices`` are the batch's, in order.
+def start_batch(mode: SeedMode, seed: int, epoch: int, raw: Any, indices: Sequence[int]) -> BatchSeeds:
+    """Prepare the seeding of one batch and return what the loop updates before each
+    sample (see :class:`BatchSeeds`). ``raw`` and ``indices`` are the batch's indices (in
+    the task's form and as a sequence of ints), in order.
 
     ``"batch"`` seeds ``random``, numpy's global generator (with all 64 bits of
-    :func:`batch_key`) and torch's generator here, once; the hook only points
-    :func:`sample_rng` at the sample. ``"sample"`` hashes the batch's seeds here and the
-    hook seeds the generators exactly as :func:`seed_sample` would. ``False`` seeds
-    nothing. Call :func:`clear_sample` after the batch.
+    :func:`batch_key`) and torch's generator here, once; per sample, only
+    :func:`sample_rng` follows the position. ``"sample"`` hashes the batch's seeds here
+    and the hook seeds the generators exactly as :func:`seed_sample` would. ``False``
+    seeds nothing. Call :func:`clear_sample` after the batch.
     """
+    b = BatchSeeds(seed, epoch, indices)
     if mode == "sample":
-        seeds: list[int] = sample_seeds(seed, epoch, indices).tolist()
+        seeds: list[int] = sample_seeds(seed, epoch, raw).tolist()
         gen = _torch_generator()
 
-        def enter_and_seed(k: int, i: int) -> None:
-            _local.key = (seed, epoch, i)
-            _local.rng = None
+        def seed_globals(k: int) -> None:
             _seed_globals(seeds[k], gen)
 
-        return enter_and_seed
-    if mode == "batch":
-        key = batch_key(seed, epoch, indices)
+        b.hook = seed_globals
+    elif mode == "batch":
+        key = batch_key(seed, epoch, raw)
         random.seed(key)
         np.random.seed(np.array([key & 0xFFFF_FFFF, key >> 32], dtype=np.uint32))
         gen = _torch_generator()
         if gen is not None:
             gen.manual_seed(key >> 1)
-
-    def enter(k: int, i: int) -> None:
-        _local.key = (seed, epoch, i)
-        _local.rng = None
-
-    return enter
+    _local.key = None
+    _local.batch = b
+    return b
 
 
 def worker_seed(seed: int, worker_id: int) -> int:
@@ -202,18 +203,23 @@ def seed_sample(seed: int, epoch: int, index: int) -> None:
 def enter_sample(seed: int, epoch: int, index: int) -> None:
     """Make :func:`sample_rng` and :func:`sample_key` answer for this sample, in this
     thread only; the global generators are left alone."""
+    _local.batch = None
     _local.key = (seed, epoch, index)
     _local.rng = None
 
 
 def clear_sample() -> None:
     """Forget the current sample (called after each batch)."""
+    _local.batch = None
     _local.key = None
     _local.rng = None
 
 
 def sample_key() -> tuple[int, int, int] | None:
     """``(seed, epoch, index)`` of the sample being loaded in this thread, or ``None``."""
+    b = _local.batch
+    if b is not None:
+        return (b.seed, b.epoch, int(b.indices[b.k]))
     return _local.key
 
 
@@ -226,13 +232,22 @@ def sample_rng() -> np.random.Generator:
     loader it is drawn from numpy's global generator, so ``numpy.random.seed`` still
     makes a script reproducible.
     """
+    b = _local.batch
+    if b is not None:
+        if b.rng_k == b.k and b.rng is not None:
+            return b.rng
+        b.rng, b.rng_k = _rng_for(b.seed, b.epoch, int(b.indices[b.k])), b.k
+        return b.rng
     rng = _local.rng
     if rng is not None:
         return rng
     key = _local.key
     if key is None:
         return np.random.default_rng(np.random.randint(0, 2**32, size=4, dtype=np.uint64))
-    # A distinct stream from the global seeding above: append a constant to the entropy.
-    rng = np.random.default_rng(np.random.SeedSequence([*_entropy(*key), 0x5EED]))
-    _local.rng = rng
+    rng = _local.rng = _rng_for(*key)
     return rng
+
+
+def _rng_for(seed: int, epoch: int, index: int) -> np.random.Generator:
+    # A distinct stream from the global seeding above: append a constant to the entropy.
+    return np.random.default_rng(np.random.SeedSequence([*_entropy(seed, epoch, index), 0x5EED]))

@@ -35,7 +35,7 @@ from typing import Any, Literal, NamedTuple, TypeVar
 
 import numpy as np
 
-from . import _byvalue, _orphan, _seeding, _slots
+from . import _byvalue, _orphan, _reply, _seeding, _slots
 from ._slots import Slots
 from .errors import CollateError, DatasetPickleError, add_note
 
@@ -43,10 +43,13 @@ __all__ = [
     "NEED_PAYLOAD",
     "BatchResult",
     "BatchTask",
+    "GroupResult",
+    "GroupTask",
     "WorkerContext",
     "install_context",
     "pool_initializer",
     "run_batch",
+    "run_group",
     "run_task",
 ]
 
@@ -73,6 +76,23 @@ class BatchTask(NamedTuple):
 class BatchResult(NamedTuple):
     data: Any
     skipped: tuple[tuple[int, str], ...]
+    pid: int
+    start_ns: int
+    end_ns: int
+
+
+class GroupTask(NamedTuple):
+    """Several batches of one loader in one pool task; the members carry the group's
+    ``task_id`` (the slot table names the group) and no payload of their own."""
+
+    token: str
+    task_id: int
+    members: tuple[BatchTask, ...]
+    payload: bytes | None = None
+
+
+class GroupResult(NamedTuple):
+    outcomes: tuple[BatchResult | _reply.Failed, ...]  # one per member, in order
     pid: int
     start_ns: int
     end_ns: int
@@ -308,35 +328,64 @@ def run_task(
         ctx = context_of(task, kind)
         if ctx is None:
             return NEED_PAYLOAD
-        if not ctx.init_done:
-            _run_init(ctx)
-        if ctx.init_error is not None:
-            raise ctx.init_error
-        _publish_worker_info(ctx, getattr(task, "seed", ctx.seed))
-        start = time.monotonic_ns()
-        _slots.mark(Slots.RUNNING, task.task_id, start)
-        if not ctx.seed_samples:
-            fields = build(ctx, task)
-        elif ctx.remote:
-            # random's and numpy's global generators are shared by every thread of a
-            # process (a borrowed thread executor, a dask worker's threads): seeded batches
-            # build one at a time. A process-pool worker has one thread; the lock is free.
-            with _SEEDED_BATCH_LOCK:
-                fields = build(ctx, task)
-        else:
-            # The loader's own thread (num_workers=0) runs one batch at a time; no lock, so
-            # a thread abandoned after a timeout cannot hold up its replacement. The
-            # consumer's own random state is put back after each batch.
-            with _GlobalRngGuard():
-                fields = build(ctx, task)
-        return result(*fields, os.getpid(), start, time.monotonic_ns())
+        return _run_in(ctx, task, build, result)
     finally:
         _slots.mark(Slots.HOLDING, task.task_id)
+
+
+def _run_in(
+    ctx: WorkerContext, task: Any, build: Callable[[Any, Any], tuple[Any, ...]], result: Callable[..., R]
+) -> R:
+    """:func:`run_task` once the context is loaded (the slot marked ``ACCEPTED``)."""
+    if not ctx.init_done:
+        _run_init(ctx)
+    if ctx.init_error is not None:
+        raise ctx.init_error
+    _publish_worker_info(ctx, getattr(task, "seed", ctx.seed))
+    start = time.monotonic_ns()
+    _slots.mark(Slots.RUNNING, task.task_id, start)
+    if not ctx.seed_samples:
+        fields = build(ctx, task)
+    elif ctx.remote:
+        # random's and numpy's global generators are shared by every thread of a
+        # process (a borrowed thread executor, a dask worker's threads): seeded batches
+        # build one at a time. A process-pool worker has one thread; the lock is free.
+        with _SEEDED_BATCH_LOCK:
+            fields = build(ctx, task)
+    else:
+        # The loader's own thread (num_workers=0) runs one batch at a time; no lock, so
+        # a thread abandoned after a timeout cannot hold up its replacement. The
+        # consumer's own random state is put back after each batch.
+        with _GlobalRngGuard():
+            fields = build(ctx, task)
+    return result(*fields, os.getpid(), start, time.monotonic_ns())
 
 
 def run_batch(task: BatchTask) -> BatchResult | str:
     """Fetch and collate one DataLoader batch (see :func:`run_task`)."""
     return run_task(task, _build, BatchResult)
+
+
+def run_group(task: GroupTask) -> GroupResult | str:
+    """Build several DataLoader batches in one pool task, one after the other (see
+    :mod:`aioloader._engine.group`). A batch that raises fails alone: its exception
+    travels as its outcome and the next batch is built. Every batch is seeded from
+    its own position, as if it were a task of its own."""
+    _slots.mark(Slots.ACCEPTED, task.task_id)
+    try:
+        ctx = context_of(task)
+        if ctx is None:
+            return NEED_PAYLOAD
+        start = time.monotonic_ns()
+        outcomes: list[BatchResult | _reply.Failed] = []
+        for member in task.members:
+            try:
+                outcomes.append(_run_in(ctx, member, _build, BatchResult))
+            except BaseException as exc:  # SystemExit too: it fails its own batch only
+                outcomes.append(_reply.Failed.of(exc))
+        return GroupResult(tuple(outcomes), os.getpid(), start, time.monotonic_ns())
+    finally:
+        _slots.mark(Slots.HOLDING, task.task_id)
 
 
 def _where(task: BatchTask) -> str:
@@ -356,31 +405,32 @@ def _build(ctx: WorkerContext, task: BatchTask) -> tuple[Any, tuple[tuple[int, s
     values = task.values  # fetched in the main process: no dataset here
     transform = ctx.transform
     samples: list[Any] = []
-    kept: list[int] = []
     skipped: list[tuple[int, str]] = []
+    gaps: set[int] = set()  # positions of the skipped samples
     try:
-        enter = _seeding.start_batch(ctx.seed_samples, task.seed, task.epoch, raw)
-        for k, i in enumerate(indices):
-            enter(k, i)
+        seeds = _seeding.start_batch(ctx.seed_samples, task.seed, task.epoch, raw, indices)
+        hook = seeds.hook
+        for k, i in enumerate(indices):  # runs for every sample: keep it lean
+            seeds.k = k
+            if hook is not None:
+                hook(k)
             in_transform = False
             try:
                 sample = dataset[i] if values is None else values[k]
                 if transform is not None:
                     in_transform = True
                     sample = transform(sample)
-                samples.append(sample)
             except BaseException as exc:  # SystemExit too: named, then carried home as a value
                 if ctx.on_error == "skip" and isinstance(exc, Exception):
                     skipped.append((i, f"{type(exc).__name__}: {exc}"))
+                    gaps.add(k)
                     continue
                 what = f"dataset[{i}]"
                 if in_transform:
-                    what = (
-                        "transform(the fetched sample)" if values is not None else f"transform(dataset[{i}])"
-                    )
+                    what = "transform(the fetched sample)" if values is not None else f"transform(dataset[{i}])"
                 add_note(exc, f"aioloader: raised by {what} (sample index {i}) in {_where(task)}")
                 raise
-            kept.append(i)
+            samples.append(sample)
     finally:
         _seeding.clear_sample()
     if not samples:
@@ -390,6 +440,7 @@ def _build(ctx: WorkerContext, task: BatchTask) -> tuple[Any, tuple[tuple[int, s
         if ctx.encode is not None:
             batch = ctx.encode(batch)
     except Exception as exc:
+        kept = [i for k, i in enumerate(indices) if k not in gaps]
         if isinstance(exc, CollateError):
             positions = getattr(exc, "positions", [])
             exc.indices = [kept[p] for p in positions if p < len(kept)]  # type: ignore[attr-defined]

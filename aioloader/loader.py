@@ -26,6 +26,7 @@ from . import _worker
 from ._collate import collate_torch, convert_torch, default_collate, default_convert, is_torch_dataset
 from ._engine.epochs import Cursor, EpochPass, EpochSource, Parked, WorkerSide
 from ._engine.fetch import DEFAULT_IO_BUFFER, FetchConfig, resolve_remote
+from ._engine.group import policy_for
 from ._engine.resume import Resumable
 from ._engine.run import Run, RunConfig
 from ._facade import IterableLoader, Lifecycle, Pass
@@ -137,6 +138,9 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
             batch waiting is always let through).
         fetch_retries: retries of a fetch that failed transiently (connection errors,
             timeouts, HTTP 5xx/429), with exponential backoff. ``timeout`` bounds each try.
+        batches_per_task: batches a worker builds in one pool task; ``"auto"`` groups cheap
+            batches (under about 2 ms of worker time) up to ``prefetch // num_workers`` a task,
+            to spare the consumer's process a task's cost per batch. See :doc:`performance`.
 
     Each of torch's spellings that says the same as one of aioloader's (``prefetch`` and
     ``prefetch_factor``, ``ordered`` and ``in_order``, ``mp_context`` and
@@ -195,6 +199,7 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
         io_concurrency: int = 64,
         io_buffer: int = DEFAULT_IO_BUFFER,
         fetch_retries: int = 3,
+        batches_per_task: int | Literal["auto"] = "auto",
     ) -> None:
         keys, fetch, self.transform = resolve_remote(dataset, fetch, transform)
         length = check_map_dataset(keys)
@@ -258,6 +263,7 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
             num_workers=num_workers, mp_context=torch_args.mp_context, pool=pool, executor=executor,
             prefetch=torch_args.prefetch, transport=transport, trace=trace,
         )  # fmt: skip
+        self._group = policy_for(batches_per_task, self.prefetch, self._pool, fetch is not None)
         self._planner = BatchPlanner(
             length, batch_size=batch_size, shuffle=shuffle, sampler=sampler, batch_sampler=batch_sampler,
             last_batch=last_batch, seed=self.seed, shard=self.shard, shard_policy=shard_policy,
@@ -415,6 +421,7 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
             recorder=self._recorder,
             is_closed=self._shared.is_closed,
             fetch=self._fetch,
+            group=self._group,
         )
 
     def _end_pass(self, p: EpochPass) -> bool:

@@ -30,6 +30,13 @@ def by_batch(batches: list[Any]) -> dict[tuple[int, ...], bytes]:
     return {tuple(idx.tolist()): np.asarray(data).tobytes() for data, idx in batches}
 
 
+def enter(seeds: _seeding.BatchSeeds, k: int) -> None:
+    """What the worker's loop does before the ``k``-th sample of a batch."""
+    seeds.k = k
+    if seeds.hook is not None:
+        seeds.hook(k)
+
+
 def contract(
     mode: _seeding.SeedMode, seed: int, epoch: int, batches: list[list[int]], n: int
 ) -> dict[tuple[int, ...], bytes]:
@@ -40,10 +47,10 @@ def contract(
     out = {}
     try:
         for indices in batches:
-            enter = _seeding.start_batch(mode, seed, epoch, indices)
+            seeds = _seeding.start_batch(mode, seed, epoch, indices, indices)
             rows = []
             for k, i in enumerate(indices):
-                enter(k, i)
+                enter(seeds, k)
                 rows.append(ds[i][0])
             _seeding.clear_sample()
             out[tuple(indices)] = np.stack(rows).tobytes()
@@ -88,10 +95,10 @@ def test_batch_key_is_a_function_of_seed_epoch_and_the_indices_in_order() -> Non
 def test_sample_mode_seeds_as_seed_sample_did() -> None:
     """``"sample"`` (and ``True``) is the old default, value for value."""
     idx = [9, 2, 33]
-    enter = _seeding.start_batch("sample", 4, 1, idx)
+    seeds = _seeding.start_batch("sample", 4, 1, idx, idx)
     got = []
-    for k, i in enumerate(idx):
-        enter(k, i)
+    for k in range(len(idx)):
+        enter(seeds, k)
         got.append((random.random(), float(np.random.rand()), _seeding.sample_key()))
     want = []
     for i in idx:
@@ -104,8 +111,7 @@ def test_sample_mode_seeds_as_seed_sample_did() -> None:
 def test_sample_rng_is_per_sample_in_every_mode() -> None:
     draws = {}
     for mode in ("batch", "sample", False):
-        enter = _seeding.start_batch(mode, 4, 1, [9, 2])
-        enter(1, 2)
+        enter(_seeding.start_batch(mode, 4, 1, [9, 2], [9, 2]), 1)
         draws[mode] = aioloader.sample_rng().random(3).tobytes()
     _seeding.clear_sample()
     assert len(set(draws.values())) == 1

@@ -22,9 +22,21 @@ from .._pool import Job, Lost, WorkerPool, describe_exit
 from .._stats import Recorder
 from ..errors import LoaderClosedError, LoaderTimeout, WorkerCrashedError
 
-__all__ = ["Dispatcher", "Named", "cancelling"]
+__all__ = ["Dispatcher", "Named", "Raised", "Split", "cancelling"]
 
 _task_ids = itertools.count(1)
+
+
+class Raised:
+    """``SystemExit``/``KeyboardInterrupt`` from user code: carried to the consumer as
+    a value, because raised inside a task it would stop the event loop itself."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+class Split(Exception):
+    """Dispatcher → group stage, never to a user: a group's worker died holding it."""
 
 
 class Named(Protocol):
@@ -64,12 +76,16 @@ class Dispatcher:
         self._watchdog = None
         return [w] if w is not None and not w.done() else []
 
-    async def run(self, fn: Callable[[Any], Any], make_task: Callable[[int, bool], Any], named: Named) -> Any:
+    async def run(
+        self, fn: Callable[[Any], Any], make_task: Callable[[int, bool], Any], named: Named, *, split: bool = False
+    ) -> Any:
         """Submit ``fn(make_task(task_id, with_payload))`` and return its result.
 
         ``named.label`` names the work in error messages ("batch 3 of epoch 0") and
         ``named.indices`` its samples; both are read only when needed (this runs for
-        every batch).
+        every batch). ``split``: the task is several units (a group), and its worker
+        dying while it held the task raises :class:`Split` instead of a retry, so that
+        the units run again one per task and only the culprit is charged.
         """
         loop = asyncio.get_running_loop()
         pool = self.pool
@@ -102,6 +118,8 @@ class Dispatcher:
                 if task_id in self._timed_out:
                     raise self._timeout_error(named, self._timed_out[task_id]) from None
                 if task_id in info.charged:
+                    if split:
+                        raise Split from None
                     attempts += 1
                     if attempts > self.max_retries:
                         code, indices = info.charged[task_id], named.indices

@@ -89,12 +89,12 @@ class WorkerSide:
 class EpochUnit:
     """Batch ``key`` of epoch ``group``."""
 
-    __slots__ = ("_packed", "_side", "group", "indices", "key", "size", "values")
+    __slots__ = ("_packed", "side", "group", "indices", "key", "size", "values")
 
     fn = staticmethod(_worker.run_batch)
 
     def __init__(self, side: WorkerSide, epoch: int, pos: int, indices: Any) -> None:
-        self._side = side
+        self.side = side
         self.group = epoch
         self.key = pos
         self.indices = indices
@@ -108,7 +108,7 @@ class EpochUnit:
         return f"batch {self.key} of epoch {self.group}"
 
     def make_task(self, task_id: int, with_payload: bool) -> _worker.BatchTask:
-        side = self._side
+        side = self.side
         payload = side.payload() if with_payload else None
         return _worker.BatchTask(
             side.token, task_id, self.group, self.key, self._packed, side.seed, payload, self.values
@@ -117,7 +117,7 @@ class EpochUnit:
     def fetch_input(self, k: int, index: int) -> Any:
         """What to fetch for sample ``index``: ``dataset[index]``, read here in the main process."""
         try:
-            return self._side.keys[index]
+            return self.side.keys[index]
         except Exception as exc:
             add_note(exc, f"aioloader: raised by dataset[{index}] (sample index {index}) in the main process, "
                      "where the dataset of a loader with fetch= is read")  # fmt: skip

@@ -37,8 +37,9 @@ from typing import Any, NamedTuple, Protocol
 from .._pool import WorkerPool
 from .._stats import Recorder, _Epoch
 from ..errors import LoaderClosedError, add_note
-from .dispatch import Dispatcher, cancelling
+from .dispatch import Dispatcher, Raised, cancelling
 from .fetch import FetchConfig, FetchStage
+from .group import GroupPolicy, GroupStage
 
 __all__ = ["Delivery", "Run", "RunConfig", "Unit", "UnitSource", "closed_while_iterating"]
 
@@ -93,6 +94,7 @@ class RunConfig:
     is_closed: Callable[[], bool]
     fail_fast: bool = True  # a unit's error ends the run (loaders); False: it is delivered (serving)
     fetch: FetchConfig | None = None  # a fetch stage between the window and the dispatcher
+    group: GroupPolicy | None = None  # several units per pool task (units with no fetch stage)
 
 
 class Delivery(NamedTuple):
@@ -107,15 +109,6 @@ class _Terminal:
 
     def __init__(self, error: BaseException | None) -> None:
         self.error = error
-
-
-class _Raised:
-    """``SystemExit``/``KeyboardInterrupt`` from user code run on this loop's thread
-    (a thread pool): carried to the consumer as a value, because raised inside a task
-    it would stop the event loop itself."""
-
-    def __init__(self, exc: BaseException) -> None:
-        self.exc = exc
 
 
 _WAKE: Any = object()
@@ -133,13 +126,16 @@ class Run:
         self.loop = asyncio.get_running_loop()
         self.sem = asyncio.Semaphore(cfg.prefetch)
         self.ready: asyncio.Queue[Any] = asyncio.Queue()
-        self.units: dict[asyncio.Task[Any], Unit] = {}  # submitted and not yet taken
-        self.aside: collections.deque[asyncio.Task[Any]] = collections.deque()
+        self.units: dict[asyncio.Future[Any], Unit] = {}  # submitted and not yet taken
+        self.aside: collections.deque[asyncio.Future[Any]] = collections.deque()
         self.dispatcher = Dispatcher(cfg.pool, cfg.recorder, cfg.timeout, cfg.max_retries, cfg.is_closed)
         self.fetcher = FetchStage(cfg.fetch, cfg.recorder) if cfg.fetch is not None else None
         # A source whose units are not pool tasks of their own runs them itself: an
         # iterable dataset's units are batches its long-running shard tasks send.
         self._source_runs: Callable[[Any], Any] | None = getattr(source, "execute", None)
+        self.grouper: GroupStage | None = None
+        if cfg.group is not None and self.fetcher is None and self._source_runs is None:
+            self.grouper = GroupStage(self.dispatcher, cfg.group)
         self.closed = False
         self.ended = False  # the consumer saw the terminal entry
         self._unqueued = 0  # unordered: submitted units not yet on the ready queue
@@ -156,17 +152,24 @@ class Run:
     # ------------------------------------------------------------------ producer
     async def _produce(self) -> None:
         error: BaseException | None = None
+        held = 0  # window slots acquired for units not yet taken from the source
         try:
             while True:
-                await self.sem.acquire()
+                # A group's slots are all reserved before its first unit is taken, so
+                # that its units go out together (without grouping: one at a time).
+                want = self.grouper.size if self.grouper is not None and not held else 1
+                while held < want:
+                    await self.sem.acquire()
+                    held += 1
                 try:
                     unit = None if self.closed else await self.source.next_unit()
                 except BaseException:
-                    self.sem.release()
+                    self._release_held(held)
                     raise
                 if unit is None:
-                    self.sem.release()
+                    self._release_held(held)
                     break
+                held -= 1
                 self._submit(unit)
         except asyncio.CancelledError:
             raise
@@ -178,8 +181,15 @@ class Run:
         else:
             self.ready.put_nowait(terminal)
 
+    def _release_held(self, held: int) -> None:
+        for _ in range(held):
+            self.sem.release()
+
     def _submit(self, unit: Unit) -> None:
-        t = self.loop.create_task(self._execute(unit))
+        if self.grouper is not None:
+            t: asyncio.Future[Any] = self.grouper.add(unit)
+        else:
+            t = self.loop.create_task(self._execute(unit))
         self.units[t] = unit
         self.cfg.recorder.submitted(time.monotonic_ns())
         if self.cfg.ordered:
@@ -188,7 +198,7 @@ class Run:
             self._unqueued += 1
             t.add_done_callback(self._queue_finished)
 
-    def _queue_finished(self, t: asyncio.Task[Any]) -> None:
+    def _queue_finished(self, t: asyncio.Future[Any]) -> None:
         self.ready.put_nowait(t)
         self._unqueued -= 1
         if not self._unqueued and self._terminal is not None:
@@ -203,7 +213,7 @@ class Run:
                 return await self.fetcher.run(unit, lambda make_task: self._dispatch(unit, make_task))
             return await self.dispatcher.run(unit.fn, unit.make_task, unit)
         except (SystemExit, KeyboardInterrupt) as exc:
-            return _Raised(exc)
+            return Raised(exc)
 
     def _dispatch(self, unit: Unit, make_task: Callable[[int, bool], Any]) -> Any:
         return self.dispatcher.run(unit.fn, make_task, unit)
@@ -254,7 +264,7 @@ class Run:
                     return Delivery(unit, None, (), exc)
                 await self.aclose()
                 raise
-            if type(res) is _Raised:
+            if type(res) is Raised:
                 self._release(entry)
                 if not self.cfg.fail_fast:
                     return Delivery(unit, None, (), res.exc)
@@ -282,7 +292,7 @@ class Run:
             return asyncio.CancelledError()
         return self._end_error()
 
-    def _take_aside(self, group: int | None) -> asyncio.Task[Any] | None:
+    def _take_aside(self, group: int | None) -> asyncio.Future[Any] | None:
         for t in self.aside:
             if group is None or self.units[t].group == group:
                 self.aside.remove(t)
@@ -294,7 +304,7 @@ class Run:
             return closed_while_iterating(self.cfg.kind)
         return StopAsyncIteration()
 
-    def _release(self, t: asyncio.Task[Any]) -> None:
+    def _release(self, t: asyncio.Future[Any]) -> None:
         # The slot frees when the consumer takes the unit, not when the worker ends it;
         # once per unit, whichever path takes it.
         if self.units.pop(t, None) is not None:
@@ -317,9 +327,11 @@ class Run:
     async def _shutdown(self) -> None:
         self.closed = True
         self.ready.put_nowait(_WAKE)
-        pending: list[asyncio.Task[Any]] = [t for t in self.units if not t.done()]
+        pending: list[asyncio.Future[Any]] = [t for t in self.units if not t.done()]
         if self._producer is not None and not self._producer.done():
             pending.append(self._producer)
+        if self.grouper is not None:
+            pending.extend(self.grouper.stop())
         pending.extend(self.dispatcher.stop())
         for t in pending:
             t.cancel()

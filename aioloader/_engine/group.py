@@ -1,0 +1,188 @@
+"""Grouping: several cheap batches in one pool task, a policy on the run.
+
+Each pool task costs the consumer's process the same whatever it holds: the executor's
+future and its wake-ups, pickling the task in the feeder thread, unpickling the reply in
+the manager thread, and waking the loop. When a batch takes a worker less than that
+(small samples), those costs, not the workers, bound the loader. So when batches are
+cheap, the run gives a worker several of them in one task:
+
+* the **policy** (:class:`GroupPolicy`) picks how many: a fixed number, or, for
+  ``"auto"``, enough that a task keeps its worker busy about :data:`TARGET_NS`, from the
+  worker time per batch that it measures as the loader runs; at most
+  ``prefetch // workers``, so that every worker still has work;
+* the **stage** (:class:`GroupStage`) runs them: the run's producer reserves a group's
+  window slots first and then takes its units, so the units still hold one slot each
+  and the window bounds batches, not tasks; a group whose units ended early (the source
+  waited) goes out as it is.
+
+Nothing a user sees changes: each batch is built from its own position and seed, in
+order; one that raises fails alone; each is delivered, counted and resumable on its own.
+A worker that dies holding a group costs no retry: the group's batches run again one per
+task, so that only the batch that kills its worker is charged (see ``max_retries``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from .. import _worker
+from .._reply import Failed
+from .dispatch import Dispatcher, Raised, Split
+
+__all__ = ["TARGET_NS", "GroupPolicy", "GroupStage", "policy_for"]
+
+TARGET_NS = 2_000_000  # worker time a task should take before grouping stops paying
+_ALPHA = 0.25  # weight of the newest measurement of worker time per batch
+
+
+class GroupPolicy:
+    """How many batches go into one pool task: ``fixed``, or adapted to the measured
+    worker time per batch (``fixed=None``); never more than ``limit``."""
+
+    def __init__(self, fixed: int | None, limit: int) -> None:
+        self.limit = max(1, limit)
+        self.fixed = fixed
+        self.size = min(fixed, self.limit) if fixed is not None else 1
+        self.per_batch_ns: float | None = None
+
+    def observe(self, batches: int, busy_ns: int) -> None:
+        """A task of ``batches`` batches kept its worker busy ``busy_ns``."""
+        if batches <= 0:
+            return
+        t = busy_ns / batches
+        self.per_batch_ns = t if self.per_batch_ns is None else (1 - _ALPHA) * self.per_batch_ns + _ALPHA * t
+        if self.fixed is None:
+            want = math.ceil(TARGET_NS / max(self.per_batch_ns, 1.0))
+            self.size = max(1, min(self.limit, want))
+
+    def describe(self) -> str:
+        how = f"fixed at {self.fixed}" if self.fixed is not None else "auto"
+        per = f", {self.per_batch_ns / 1e6:.3f} ms of worker time per batch" if self.per_batch_ns else ""
+        return f"{self.size} per task ({how}, at most {self.limit}{per})"
+
+
+def policy_for(setting: Any, prefetch: int, pool: Any, fetching: bool) -> GroupPolicy | None:
+    """The policy for a loader's ``batches_per_task=setting`` (validated here), or
+    ``None`` where every batch is a task of its own: a thread pool (its tasks cost no
+    pickling or wake-ups worth sparing), a loader with ``fetch=``, or ``1``."""
+    if not (isinstance(setting, str) and setting == "auto"):
+        if isinstance(setting, bool) or not isinstance(setting, int) or setting < 1:
+            raise ValueError(f'batches_per_task must be an int >= 1 or "auto", got {setting!r}')
+    if pool.kind == "thread" or fetching or setting == 1:
+        return None
+    if setting == "auto":
+        return GroupPolicy(None, prefetch // pool.concurrency)
+    return GroupPolicy(setting, prefetch)
+
+
+class _Group:
+    """Several units as one pool task: what the dispatcher names and submits."""
+
+    def __init__(self, members: Sequence[Any]) -> None:
+        self.members = members
+        first, last = members[0], members[-1]
+        if first.group == last.group:
+            self.label = f"the group of batches {first.key}-{last.key} of epoch {first.group}"
+        else:
+            self.label = f"the group of batches {first.label} to {last.label}"
+
+    @property
+    def indices(self) -> list[int]:
+        return [int(i) for m in self.members for i in m.indices]
+
+    def make_task(self, task_id: int, with_payload: bool) -> _worker.GroupTask:
+        members = self.members
+        side = members[0].side
+        tasks = tuple(m.make_task(task_id, False) for m in members)
+        return _worker.GroupTask(side.token, task_id, tasks, side.payload() if with_payload else None)
+
+
+class GroupStage:
+    """Gathers units into groups of ``policy.size`` and runs each group as one task."""
+
+    def __init__(self, dispatcher: Dispatcher, policy: GroupPolicy) -> None:
+        self.dispatcher = dispatcher
+        self.policy = policy
+        self.loop = asyncio.get_running_loop()
+        self._open: list[tuple[Any, asyncio.Future[Any]]] | None = None  # the group still gathering
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def size(self) -> int:
+        return self.policy.size
+
+    def add(self, unit: Any) -> asyncio.Future[Any]:
+        """Put ``unit`` in the group being gathered; its future settles when it is built.
+
+        The group's task is created with its first unit (so that it is a task of the
+        run's loop from the start, cancelled with the others) and closes the group when
+        it begins: the producer adds the units of a burst without yielding, so a group
+        holds what the producer had ready, up to the policy's size."""
+        if self.policy.size == 1 and self._open is None:
+            return self.loop.create_task(self._alone(unit))
+        fut: asyncio.Future[Any] = self.loop.create_future()
+        group = self._open
+        if group is None:
+            group = self._open = []
+            task = self.loop.create_task(self._run(group))
+            self.tasks.add(task)
+            task.add_done_callback(functools.partial(self._done, group))
+        group.append((unit, fut))
+        if len(group) >= self.policy.size:
+            self._open = None
+        return fut
+
+    def _done(self, group: list[tuple[Any, asyncio.Future[Any]]], task: asyncio.Task[None]) -> None:
+        self.tasks.discard(task)
+        if self._open is group:
+            self._open = None
+        for _, fut in group:  # a task cancelled before it began settles nothing itself
+            if not fut.done():
+                fut.cancel()
+
+    async def _alone(self, unit: Any) -> Any:
+        """One unit in a task of its own: its result (as the run's own tasks return it)."""
+        try:
+            res = await self.dispatcher.run(unit.fn, unit.make_task, unit)
+        except (SystemExit, KeyboardInterrupt) as exc:
+            return Raised(exc)
+        self.policy.observe(1, res.end_ns - res.start_ns)
+        return res
+
+    async def _run(self, members: list[tuple[Any, asyncio.Future[Any]]]) -> None:
+        if self._open is members:
+            self._open = None  # it begins: later units go into a new group
+        units = [u for u, _ in members]
+        try:
+            if len(units) == 1:
+                outcomes: Sequence[Any] = (await self._alone(units[0]),)
+            else:
+                group = _Group(units)
+                res = await self.dispatcher.run(_worker.run_group, group.make_task, group, split=True)
+                outcomes = res.outcomes
+                self.policy.observe(len(units), res.end_ns - res.start_ns)
+        except Split:  # its worker died holding it: each batch again, alone
+            await asyncio.gather(*(self._run([m]) for m in members))
+            return
+        except BaseException as exc:  # the whole task failed (timeout, crashes, closed)
+            outcomes = [exc] * len(members)
+        for (_, fut), out in zip(members, outcomes):
+            if fut.done():
+                continue
+            if isinstance(out, Failed):
+                out = out.exception()
+            if isinstance(out, (SystemExit, KeyboardInterrupt)):
+                fut.set_result(Raised(out))
+            elif isinstance(out, BaseException):
+                fut.set_exception(out)
+            else:
+                fut.set_result(out)
+
+    def stop(self) -> list[asyncio.Task[None]]:
+        """The group tasks to cancel and await (the run is closing)."""
+        self._open = None
+        return [t for t in self.tasks if not t.done()]
