@@ -158,6 +158,12 @@ class WorkerPool:
         return concurrency_of(self._external)
 
     @property
+    def crosses_processes(self) -> bool:
+        """Do its tasks travel to other processes (pickled, through pipes)? Not on threads."""
+        external_procs = self.kind == "external" and not isinstance(self._external, cf.ThreadPoolExecutor)
+        return self.kind == "process" or external_procs
+
+    @property
     def start_method(self) -> str | None:
         return self._context.get_start_method() if self._context is not None else None
 

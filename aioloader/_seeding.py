@@ -124,7 +124,11 @@ def batch_key(seed: int, epoch: int, indices: Any) -> int:
     their 64-bit forms, keyed with the seed and the epoch: a few µs for a batch of
     thousands), so never of the worker, the batch's position in the epoch, the shard or
     the order batches are delivered in."""
-    data = bytes(indices) if isinstance(indices, (bytes, bytearray, memoryview)) else _as_uint64(indices).tobytes()
+    data = (
+        bytes(indices)
+        if isinstance(indices, (bytes, bytearray, memoryview))
+        else _as_uint64(indices).tobytes()
+    )
     key = struct.pack("<QQ", seed & _M64, epoch & _M64)
     return int.from_bytes(hashlib.blake2b(data, digest_size=8, key=key).digest(), "little")
 

@@ -36,7 +36,7 @@ import struct
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
-from . import _seeding, _worker
+from . import _seeding, _worker, _worker_info
 from .errors import CollateError, add_note
 
 __all__ = ["CREDIT", "FRAME_LENGTH", "ShardResult", "ShardTask", "run_shard"]
@@ -128,7 +128,7 @@ def _batches(ctx: _worker.WorkerContext, task: ShardTask) -> Iterator[list[Any]]
 
 def _build(sock: socket.socket, ctx: _worker.WorkerContext, task: ShardTask) -> tuple[int]:
     if ctx.remote:  # a process of the pool: torch's worker info and seeding, per shard
-        _worker.publish_shard_info(ctx, task.shard, task.num_shards, task.seed)
+        _worker_info.publish_shard(ctx, task.shard, task.num_shards, task.seed)
         _seeding.seed_worker(task.seed)
         if ctx.worker_init_fn is not None:
             try:

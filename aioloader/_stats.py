@@ -99,6 +99,13 @@ class LoaderStats:
     """Seconds the consumer spent pickling the worker context (and writing the segment)."""
     settings: tuple[str, ...] = ()
     """What ``num_workers="auto"`` and ``prefetch="auto"`` chose, and why (one line each)."""
+    tasks: int = 0
+    """Pool tasks that finished building batches: fewer than the batches built when
+    cheap batches go to a worker several at a time (``batches_per_task``)."""
+    batches_per_task: int = 1
+    """How many batches a pool task holds now (see :attr:`grouping`)."""
+    grouping: str = ""
+    """What ``batches_per_task`` chose and from what (empty where each batch is a task)."""
 
     @property
     def batches_per_s(self) -> float | None:
@@ -130,6 +137,7 @@ class LoaderStats:
             f"  dataset to workers: {_mib(self.payload_bytes)} pickled, {_mib(self.shared_bytes)} shared, "
             f"in {self.payload_s * 1000:.0f} ms"
             + self._fetch_line()
+            + (f"\n  batches per pool task: {self.grouping}" if self.grouping else "")
             + "".join(f"\n  {line}" for line in self.settings)
         )
 
@@ -199,6 +207,8 @@ class Recorder:
     tracer: Tracer | None = None
     fetch: FetchCounters = field(default_factory=lambda: FetchCounters())
     settings: tuple[str, ...] = ()
+    tasks: int = 0
+    group: Any = None  # the grouping policy (aioloader._engine.group.GroupPolicy), if any
 
     def epoch_started(self, epoch: int) -> _Epoch:
         rec = _Epoch(epoch, time.monotonic_ns())
@@ -215,6 +225,7 @@ class Recorder:
     ) -> None:
         """One task done; ``named.label`` (read only when tracing) names it."""
         self.busy_ns += end_ns - start_ns
+        self.tasks += 1
         self.workers_seen.add(pid)
         self.latencies.append(now - submit_ns)
         if self.tracer is not None:
@@ -270,6 +281,9 @@ class Recorder:
             shared_bytes=self.shared_bytes,
             payload_s=self.payload_ns / 1e9,
             settings=self.settings,
+            tasks=self.tasks,
+            batches_per_task=self.group.size if self.group is not None else 1,
+            grouping=self.group.describe() if self.group is not None else "",
             **self._fetch_figures(),
         )
 

@@ -15,7 +15,7 @@ outcome travels back, exceptions included, is :mod:`aioloader._reply`'s business
 
 In an owned process pool, ``torch.utils.data.get_worker_info()`` answers as in a torch
 worker (id, num_workers, seed, dataset) wherever torch is imported in the worker; this
-module never imports torch itself (see :func:`_publish_worker_info`).
+module never imports torch itself (see :mod:`aioloader._worker_info`).
 
 This module never imports asyncio.
 """
@@ -35,7 +35,7 @@ from typing import Any, Literal, NamedTuple, TypeVar
 
 import numpy as np
 
-from . import _byvalue, _orphan, _reply, _seeding, _slots
+from . import _byvalue, _orphan, _reply, _seeding, _slots, _worker_info
 from ._slots import Slots
 from .errors import CollateError, DatasetPickleError, add_note
 
@@ -134,8 +134,6 @@ class WorkerContext:
 
 _contexts: OrderedDict[str, WorkerContext] = OrderedDict()
 _contexts_lock = threading.Lock()
-_worker_id = 0
-_num_workers = 0  # the owned pool's size; 0 elsewhere (threads, borrowed executors)
 
 _startup_error: BaseException | None = None  # what kept this worker's initializer from finishing
 
@@ -175,55 +173,17 @@ def check_loaded(token: str) -> None:
         raise _byvalue.unpickle_error(exc) from exc
 
 
-_TORCH_WORKER = "torch.utils.data._utils.worker"
-
-
-def _publish_worker_info(ctx: WorkerContext, seed: int) -> None:
-    """Make ``torch.utils.data.get_worker_info()`` describe this worker and ``ctx``'s
-    dataset, as torch's own workers do (torch keeps it in a module global).
-
-    Only in a worker of an owned pool (its id and the pool's size are known), and only
-    when torch is already imported here: a torch dataset's module imports it while the
-    dataset is unpickled, and code that never imported torch cannot ask. Threads
-    (``num_workers=0``) leave it ``None``, as torch's main process does. Set again for
-    every batch: loaders sharing a pool have different datasets.
-    """
-    if not _num_workers:
-        return
-    module: Any = sys.modules.get(_TORCH_WORKER)
-    if module is None:
-        return
-    info = ctx.torch_info
-    want = _seeding.worker_seed(seed, _worker_id)
-    if info is None or info.seed != want:
-        info = ctx.torch_info = module.WorkerInfo(
-            id=_worker_id, num_workers=_num_workers, seed=want, dataset=ctx.dataset
-        )
-    module._worker_info = info
-
-
 def _run_init(ctx: WorkerContext) -> None:
     ctx.init_done = True
-    _publish_worker_info(ctx, ctx.seed)
+    _worker_info.publish(ctx, ctx.seed)
     if ctx.worker_init_fn is None or ctx.iterable:
         return
+    wid = _worker_info.worker_id
     try:
-        ctx.worker_init_fn(_worker_id)
+        ctx.worker_init_fn(wid)
     except Exception as exc:  # surfaced with the first batch this worker builds
-        add_note(exc, f"aioloader: raised by worker_init_fn({_worker_id}) in worker pid {os.getpid()}")
+        add_note(exc, f"aioloader: raised by worker_init_fn({wid}) in worker pid {os.getpid()}")
         ctx.init_error = exc
-
-
-def publish_shard_info(ctx: WorkerContext, shard: int, num_shards: int, seed: int) -> bool:
-    """Make ``torch.utils.data.get_worker_info()`` describe shard ``shard`` of an
-    iterable dataset's epoch (its id is the shard's, ``0 <= id < num_shards``, whichever
-    process runs it). Only in a process pool's worker, and only where torch is imported
-    (as :func:`_publish_worker_info`); returns whether it did."""
-    module: Any = sys.modules.get(_TORCH_WORKER) if _num_workers else None
-    if module is None:
-        return False
-    module._worker_info = module.WorkerInfo(id=shard, num_workers=num_shards, seed=seed, dataset=ctx.dataset)
-    return True
 
 
 def pool_initializer(
@@ -240,7 +200,7 @@ def pool_initializer(
     restart for ever, while the user saw "lost to a dying worker". A payload that cannot
     be loaded fails the tasks of its loader; anything else fails every task of this
     worker, each time with the worker's own exception."""
-    global _worker_id, _num_workers, _startup_error
+    global _startup_error
     # Ctrl-C reaches the whole process group; only the consumer should react to it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
@@ -255,7 +215,7 @@ def pool_initializer(
             with lock:
                 slot = counter.value
                 counter.value += 1
-            _worker_id, _num_workers = slot, max_slots
+            _worker_info.worker_id, _worker_info.num_workers = slot, max_slots
             if slot < max_slots:  # always, with a fixed-size pool
                 _slots.claim(table, slot, os.getpid())
         for token, payload in payloads.items():
@@ -341,7 +301,7 @@ def _run_in(
         _run_init(ctx)
     if ctx.init_error is not None:
         raise ctx.init_error
-    _publish_worker_info(ctx, getattr(task, "seed", ctx.seed))
+    _worker_info.publish(ctx, getattr(task, "seed", ctx.seed))
     start = time.monotonic_ns()
     _slots.mark(Slots.RUNNING, task.task_id, start)
     if not ctx.seed_samples:
@@ -427,7 +387,9 @@ def _build(ctx: WorkerContext, task: BatchTask) -> tuple[Any, tuple[tuple[int, s
                     continue
                 what = f"dataset[{i}]"
                 if in_transform:
-                    what = "transform(the fetched sample)" if values is not None else f"transform(dataset[{i}])"
+                    what = (
+                        "transform(the fetched sample)" if values is not None else f"transform(dataset[{i}])"
+                    )
                 add_note(exc, f"aioloader: raised by {what} (sample index {i}) in {_where(task)}")
                 raise
             samples.append(sample)

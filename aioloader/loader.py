@@ -263,7 +263,9 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
             num_workers=num_workers, mp_context=torch_args.mp_context, pool=pool, executor=executor,
             prefetch=torch_args.prefetch, transport=transport, trace=trace,
         )  # fmt: skip
-        self._group = policy_for(batches_per_task, self.prefetch, self._pool, fetch is not None)
+        self._group = self._recorder.group = policy_for(
+            batches_per_task, self.prefetch, self._pool, fetch is not None
+        )
         self._planner = BatchPlanner(
             length, batch_size=batch_size, shuffle=shuffle, sampler=sampler, batch_sampler=batch_sampler,
             last_batch=last_batch, seed=self.seed, shard=self.shard, shard_policy=shard_policy,
@@ -411,18 +413,10 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
 
     def _run_config(self) -> RunConfig:
         return RunConfig(
-            kind="DataLoader",
-            pool=self._pool,
-            prefetch=self.prefetch,
-            ordered=self.ordered,
-            timeout=self.timeout,
-            max_retries=self.max_retries,
-            decode=self._transport.decode,
-            recorder=self._recorder,
-            is_closed=self._shared.is_closed,
-            fetch=self._fetch,
-            group=self._group,
-        )
+            kind="DataLoader", pool=self._pool, prefetch=self.prefetch, ordered=self.ordered, timeout=self.timeout,
+            max_retries=self.max_retries, decode=self._transport.decode, recorder=self._recorder,
+            is_closed=self._shared.is_closed, fetch=self._fetch, group=self._group,
+        )  # fmt: skip
 
     def _end_pass(self, p: EpochPass) -> bool:
         """Called when pass ``p`` ends: park its run if it went on into the epoch the

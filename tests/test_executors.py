@@ -417,7 +417,12 @@ def test_batch_task_stays_small_whatever_the_dataset(executor: cf.Executor) -> N
     nbytes, prefetch = 1 << 20, 4
     capture = CapturingExecutor(executor)
     with aioloader.DataLoader(
-        HeavyDataset(64 * 12, nbytes), 64, shuffle=True, executor=capture, prefetch=prefetch
+        HeavyDataset(64 * 12, nbytes),
+        64,
+        shuffle=True,
+        executor=capture,
+        prefetch=prefetch,
+        batches_per_task=1,  # one BatchTask a batch (test_grouping.py covers groups)
     ) as loader:
         got = [b[1].tolist() for b in loader]
     assert sorted(i for b in got for i in b) == list(range(64 * 12))

@@ -23,6 +23,7 @@ WORKER_SIDE = [
     "_byvalue.py",
     "_stream_worker.py",
     "_shard_worker.py",
+    "_worker_info.py",
     "_serve_worker.py",
     "_seeding.py",
     "_collate.py",

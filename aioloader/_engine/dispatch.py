@@ -77,15 +77,21 @@ class Dispatcher:
         return [w] if w is not None and not w.done() else []
 
     async def run(
-        self, fn: Callable[[Any], Any], make_task: Callable[[int, bool], Any], named: Named, *, split: bool = False
+        self,
+        fn: Callable[[Any], Any],
+        make_task: Callable[[int, bool], Any],
+        named: Named,
+        *,
+        split: bool = False,
     ) -> Any:
         """Submit ``fn(make_task(task_id, with_payload))`` and return its result.
 
         ``named.label`` names the work in error messages ("batch 3 of epoch 0") and
         ``named.indices`` its samples; both are read only when needed (this runs for
-        every batch). ``split``: the task is several units (a group), and its worker
-        dying while it held the task raises :class:`Split` instead of a retry, so that
-        the units run again one per task and only the culprit is charged.
+        every batch). ``split``: the task is several units (a group); its worker dying
+        while it held the task, or the task overrunning its timeout, raises
+        :class:`Split` instead, so that the units run again one per task and only the
+        culprit is charged or named.
         """
         loop = asyncio.get_running_loop()
         pool = self.pool
@@ -115,11 +121,11 @@ class Dispatcher:
                 if self.is_closed():
                     raise LoaderClosedError("the loader was closed while this batch was pending") from None
                 info = await loop.run_in_executor(None, pool.recover, gen)
+                if split and (task_id in self._timed_out or task_id in info.charged):
+                    raise Split from None
                 if task_id in self._timed_out:
                     raise self._timeout_error(named, self._timed_out[task_id]) from None
                 if task_id in info.charged:
-                    if split:
-                        raise Split from None
                     attempts += 1
                     if attempts > self.max_retries:
                         code, indices = info.charged[task_id], named.indices

@@ -89,7 +89,7 @@ class WorkerSide:
 class EpochUnit:
     """Batch ``key`` of epoch ``group``."""
 
-    __slots__ = ("_packed", "side", "group", "indices", "key", "size", "values")
+    __slots__ = ("_packed", "group", "indices", "key", "side", "size", "values")
 
     fn = staticmethod(_worker.run_batch)
 

@@ -17,8 +17,10 @@ cheap, the run gives a worker several of them in one task:
 
 Nothing a user sees changes: each batch is built from its own position and seed, in
 order; one that raises fails alone; each is delivered, counted and resumable on its own.
-A worker that dies holding a group costs no retry: the group's batches run again one per
-task, so that only the batch that kills its worker is charged (see ``max_retries``).
+A worker that dies holding a group costs no retry, and a group that overruns ``timeout``
+raises nothing: the group's batches run again one per task, so that only the batch that
+kills its worker is charged (see ``max_retries``) and only the one that overruns is
+named by :class:`~aioloader.LoaderTimeout`.
 """
 
 from __future__ import annotations
@@ -67,12 +69,12 @@ class GroupPolicy:
 
 def policy_for(setting: Any, prefetch: int, pool: Any, fetching: bool) -> GroupPolicy | None:
     """The policy for a loader's ``batches_per_task=setting`` (validated here), or
-    ``None`` where every batch is a task of its own: a thread pool (its tasks cost no
-    pickling or wake-ups worth sparing), a loader with ``fetch=``, or ``1``."""
+    ``None`` where every batch is a task of its own: threads, owned or borrowed (their
+    tasks cost no pickling or pipe to spare), a loader with ``fetch=``, or ``1``."""
     if not (isinstance(setting, str) and setting == "auto"):
         if isinstance(setting, bool) or not isinstance(setting, int) or setting < 1:
             raise ValueError(f'batches_per_task must be an int >= 1 or "auto", got {setting!r}')
-    if pool.kind == "thread" or fetching or setting == 1:
+    if not pool.crosses_processes or fetching or setting == 1:
         return None
     if setting == "auto":
         return GroupPolicy(None, prefetch // pool.concurrency)
@@ -165,12 +167,14 @@ class GroupStage:
                 res = await self.dispatcher.run(_worker.run_group, group.make_task, group, split=True)
                 outcomes = res.outcomes
                 self.policy.observe(len(units), res.end_ns - res.start_ns)
-        except Split:  # its worker died holding it: each batch again, alone
+        except Split:  # its worker died holding it, or it overran: each batch again, alone
             await asyncio.gather(*(self._run([m]) for m in members))
             return
-        except BaseException as exc:  # the whole task failed (timeout, crashes, closed)
+        except asyncio.CancelledError:
+            raise  # the run is closing: _done cancels the members' futures
+        except BaseException as exc:  # the whole task failed (crashes, pool broken, closed)
             outcomes = [exc] * len(members)
-        for (_, fut), out in zip(members, outcomes):
+        for (_, fut), out in zip(members, outcomes, strict=True):
             if fut.done():
                 continue
             if isinstance(out, Failed):

@@ -1,0 +1,147 @@
+"""Several batches in one pool task (``batches_per_task``): invisible to the user.
+
+Grouped or not, the batches are the same values in the same order, an error fails only
+its own batch, a worker death charges only the batch that killed it, and stats say what
+was chosen. ``batches_per_task=1`` (one batch a task, as before grouping) is the oracle.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+from typing import Any
+
+import numpy as np
+import pytest
+
+import aioloader
+from aioloader._engine.group import TARGET_NS, GroupPolicy, policy_for
+from aioloader._pool import WorkerPool
+
+from ._datasets import AugmentedDataset, CrashDataset, FailingDataset, HangDataset, RangeDataset
+
+
+def as_bytes(batches: list[Any]) -> list[bytes]:
+    return [np.asarray(b[0]).tobytes() + np.asarray(b[1]).tobytes() for b in batches]
+
+
+def loader(ds: Any, per_task: Any, **kw: Any) -> aioloader.DataLoader[Any]:
+    kw = {"num_workers": 2, "prefetch": 6, "seed": 7, "shuffle": True, **kw}
+    return aioloader.DataLoader(ds, 4, batches_per_task=per_task, **kw)
+
+
+@pytest.mark.parametrize("ordered", [True, False], ids=["ordered", "unordered"])
+def test_grouped_batches_are_the_batches_of_one_batch_tasks(collect: Any, ordered: bool) -> None:
+    ds = AugmentedDataset(90)  # draws from random, numpy and sample_rng in every sample
+    with loader(ds, 1, ordered=ordered) as one:
+        want = [as_bytes(collect(one)) for _ in range(2)]
+    with loader(ds, 3, ordered=ordered) as grouped:
+        got = [as_bytes(collect(grouped)) for _ in range(2)]
+        stats = grouped.stats()
+    if ordered:
+        assert got == want
+    else:
+        assert [sorted(e) for e in got] == [sorted(e) for e in want]
+    assert stats.batches_per_task == 3 and "fixed at 3" in stats.grouping
+    # 23 batches an epoch: most tasks held three (a group ends early only where the
+    # producer had fewer ready: the first units, an epoch's end)
+    assert stats.batches == 46 and stats.tasks < 30
+
+
+def test_a_batch_that_raises_in_a_group_fails_alone(collect: Any) -> None:
+    ds = FailingDataset(40, bad={21})
+    with loader(ds, 4, shuffle=False) as grouped:
+        with pytest.raises(KeyError, match="sample 21 is bad") as info:
+            collect(grouped)
+    notes = "\n".join(info.value.__notes__)
+    assert "dataset[21] (sample index 21)" in notes and "batch 5 of epoch 0" in notes
+    # every batch before it in the order arrives first (batches 4 and 6 shared its task)
+    with loader(ds, 4, shuffle=False) as grouped:
+        got = []
+        with pytest.raises(KeyError):
+            for batch in grouped:
+                got.append(batch[1].tolist())
+    assert got == [list(range(4 * k, 4 * k + 4)) for k in range(5)]
+
+
+def test_a_worker_dying_in_a_group_charges_only_the_batch_that_killed_it(tmp_path: Any) -> None:
+    # Sample 13 kills its worker every time. Its group is resubmitted one batch a task,
+    # and only batch 3 (samples 12-15) is charged: with max_retries=0 it fails after
+    # its first death of its own, named alone.
+    ds = CrashDataset(40, {13}, str(tmp_path), always=True)
+    with loader(ds, 4, shuffle=False, max_retries=0) as grouped:
+        with pytest.raises(aioloader.WorkerCrashedError, match="batch 3 of epoch 0") as info:
+            list(grouped)
+    assert info.value.indices == [12, 13, 14, 15]
+    assert info.value.attempts == 1
+
+
+def test_a_worker_killed_once_in_a_group_loses_nothing(collect: Any, tmp_path: Any) -> None:
+    ds = CrashDataset(60, {30}, str(tmp_path))  # dies the first time only
+    with loader(RangeDataset(60), 1, shuffle=False) as one:
+        want = as_bytes(collect(one))
+    with loader(ds, 3, shuffle=False, max_retries=1) as grouped:
+        assert as_bytes(collect(grouped)) == want
+        assert grouped.stats().restarts == 1
+
+
+def test_a_group_over_its_timeout_runs_again_and_names_the_batch_that_overran() -> None:
+    ds = HangDataset(40, hang_at=9)  # blocks until its worker is killed, every time
+    got = []
+    with loader(ds, 4, shuffle=False, timeout=1.0) as grouped:
+        with pytest.raises(aioloader.LoaderTimeout, match="batch 2 of epoch 0") as info:
+            for batch in grouped:
+                got.append(batch[1].tolist())
+    assert info.value.indices == [8, 9, 10, 11]
+    assert got == [[0, 1, 2, 3], [4, 5, 6, 7]]  # built in its group, delivered before it
+
+
+def test_a_borrowed_executor_gets_groups_with_the_dataset(collect: Any) -> None:
+    ds = AugmentedDataset(50)
+    with loader(ds, 1) as one:
+        want = as_bytes(collect(one))
+    with cf.ProcessPoolExecutor(2) as ex:
+        # The executor's workers have not seen the loader: the first group comes back
+        # asking for the dataset and is sent again with it.
+        with aioloader.DataLoader(
+            ds, 4, shuffle=True, seed=7, prefetch=6, executor=ex, batches_per_task=3
+        ) as g:
+            assert as_bytes(collect(g)) == want
+            assert g.stats().retries >= 1
+
+
+def test_auto_groups_cheap_batches_and_leaves_costly_ones_alone() -> None:
+    policy = GroupPolicy(None, limit=4)
+    assert policy.size == 1  # nothing measured yet
+    policy.observe(1, TARGET_NS // 10)  # a tenth of the target a batch: group to the limit
+    assert policy.size == 4
+    for _ in range(40):  # batches became costly: back to one a task
+        policy.observe(2, 2 * 3 * TARGET_NS)
+    assert policy.size == 1
+    assert "auto, at most 4" in policy.describe()
+    fixed = GroupPolicy(3, limit=8)
+    fixed.observe(1, 100 * TARGET_NS)
+    assert fixed.size == 3
+
+
+def test_where_grouping_applies_and_its_argument_is_checked() -> None:
+    with WorkerPool(2) as procs, WorkerPool(0) as thread:
+        auto = policy_for("auto", 8, procs, False)
+        assert auto is not None and auto.limit == 4  # prefetch // workers: each has work
+        assert policy_for(3, 8, procs, False) is not None
+        assert policy_for(1, 8, procs, False) is None
+        assert policy_for("auto", 8, thread, False) is None  # a thread has no IPC to spare
+        with cf.ThreadPoolExecutor(2) as ex, WorkerPool(executor=ex) as borrowed:
+            assert policy_for("auto", 8, borrowed, False) is None
+        assert policy_for("auto", 8, procs, True) is None  # fetch= dispatches per batch
+        for bad in (0, -1, True, 2.0, "always"):
+            with pytest.raises(ValueError, match="batches_per_task"):
+                policy_for(bad, 8, procs, False)
+    with pytest.raises(ValueError, match="batches_per_task"):
+        aioloader.DataLoader(AugmentedDataset(4), 2, batches_per_task=0)
+
+
+def test_breaking_out_of_a_grouped_epoch_releases_everything(collect: Any) -> None:
+    with loader(AugmentedDataset(200), 3) as grouped:
+        assert len(collect(grouped, limit=3)) == 3
+        assert len(collect(grouped)) == 50  # the next pass is whole
+        assert grouped.stats().in_flight <= grouped.prefetch
