@@ -24,7 +24,11 @@ Workloads:
 3. ``boundary``: the epoch boundary as a training loop sees it: the first 512 JPEGs, 5
    epochs, an 80 ms sleep per batch (a training step slower than every loader), time from
    ``iter(loader)`` to the first batch of epochs 2-5; aioloader also runs with
-   ``prefetch_next_epoch=False``.
+   ``prefetch_next_epoch=False``;
+4. ``dispatch``: the dispatch ceiling, 10,000 samples that are ints, batch 1 -> batches/s
+   (4 epochs; quick: 3): each batch costs its worker almost nothing, so this is what a
+   loader pays per batch; aioloader also runs with ``prefetch=16`` (a window that lets it
+   give a worker 8 batches a task).
 
 Each (workload, loader, repetition) runs in a fresh Python process, so that the main
 process's CPU time (``time.process_time()``: all threads of the main process, the
@@ -69,15 +73,18 @@ WORKLOAD_LOADERS: dict[str, tuple[str, ...]] = {
     "jpeg": ("aioloader", "torch-persistent", "torch", "grain", "spdl", "bound"),
     "tiny": ("aioloader", "aioloader-noseed", "torch-persistent", "torch", "grain", "spdl", "bound"),
     "boundary": ("aioloader", "aioloader-noprefetch", "torch-persistent", "torch", "grain", "spdl"),
+    "dispatch": ("aioloader", "aioloader-p16", "torch-persistent", "torch", "grain", "spdl", "bound"),
 }
 LOADER_KWARGS: dict[str, dict[str, Any]] = {
     "aioloader-noseed": {"seed_samples": False},
     "aioloader-noprefetch": {"prefetch_next_epoch": False},
+    "aioloader-p16": {"prefetch": 16},
 }
 WORKERS = 2
 TICK_LABELS = {
     "aioloader-noseed": "aioloader\nseed_samples\n=False",
     "aioloader-noprefetch": "aioloader\nprefetch_next_\nepoch=False",
+    "aioloader-p16": "aioloader\nprefetch=16",
 }
 
 # --------------------------------------------------------------------------- child side
@@ -511,6 +518,7 @@ def draw_png(results: dict[str, Any], path: Path) -> None:
         "aioloader": "#2a7ab0",
         "aioloader-noseed": "#7fb3d5",
         "aioloader-noprefetch": "#9dc3e6",
+        "aioloader-p16": "#5499c7",
         "torch-persistent": "#e08a2c",
         "torch": "#f2c14e",
         "grain": "#3a9e5c",
@@ -541,18 +549,13 @@ def draw_png(results: dict[str, Any], path: Path) -> None:
                 False,
             )
         )
-    if "tiny" in wl:
-        rows = wl["tiny"]["rows"]
-        panels.append(
-            (
-                "Tiny workload: batches/s",
-                {k: v["batches_per_s"] for k, v in rows.items() if k != "bound"},
-                False,
-            )
-        )
+    for name, title in (("tiny", "Tiny workload: batches/s"), ("dispatch", "Dispatch ceiling: batches/s")):
+        if name in wl:
+            rows = wl[name]["rows"]
+            panels.append((title, {k: v["batches_per_s"] for k, v in rows.items() if k != "bound"}, False))
     if not panels:
         return
-    ncols = 2 if len(panels) == 4 else len(panels)
+    ncols = 2 if len(panels) == 4 else min(3, len(panels))
     nrows = -(-len(panels) // ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(5.0 * ncols, 3.9 * nrows), squeeze=False)
     for ax, (title, values, log) in zip(axes.flat, panels, strict=False):
@@ -585,12 +588,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--quick", action="store_true", help="fewer repetitions and epochs (about 5 min)")
     parser.add_argument(
-        "--workloads", default="jpeg,tiny,boundary", help="comma-separated: jpeg, tiny, boundary"
+        "--workloads", default="jpeg,tiny,boundary,dispatch", help="comma-separated: jpeg, tiny, boundary, dispatch"
     )
     parser.add_argument("--reps", type=int, default=None, help="repetitions per loader (default 3; quick 2)")
     parser.add_argument("--epochs", type=int, default=None, help="JPEG epochs per run (default 5; quick 3)")
     parser.add_argument("--images", type=int, default=2048, help="synthetic JPEGs")
     parser.add_argument("--tiny-samples", type=int, default=200_000)
+    parser.add_argument("--dispatch-samples", type=int, default=10_000)
     parser.add_argument(
         "--boundary-images", type=int, default=512, help="images per epoch in the epoch-boundary runs"
     )
@@ -630,6 +634,13 @@ def main(argv: list[str] | None = None) -> int:
             "workload": "tiny",
             "samples": args.tiny_samples,
             "batch_size": 256,
+            "epochs": tiny_epochs,
+        }
+    if "dispatch" in workloads:
+        specs["dispatch"] = {
+            "workload": "dispatch",
+            "samples": args.dispatch_samples,
+            "batch_size": 1,
             "epochs": tiny_epochs,
         }
     if "boundary" in workloads:
@@ -699,7 +710,10 @@ def main(argv: list[str] | None = None) -> int:
     if "tiny" in results["workloads"]:
         print(fmt_table("## Tiny workload (epochs 2+)", results["workloads"]["tiny"], "batches/s"))
         print()
-    for workload in ("jpeg", "tiny"):
+    if "dispatch" in results["workloads"]:
+        print(fmt_table("## Dispatch ceiling, batch 1 (epochs 2+)", results["workloads"]["dispatch"], "batches/s"))
+        print()
+    for workload in ("jpeg", "tiny", "dispatch"):
         if workload in results["workloads"]:
             print(fmt_threads(f"## Main-process CPU by thread, {workload}", results["workloads"][workload]))
             print()
