@@ -43,6 +43,7 @@ import concurrent.futures.thread  # noqa: F401
 import contextlib
 import gc
 import os
+import signal
 import threading
 import time
 import weakref
@@ -57,9 +58,21 @@ from typing import Any
 from . import _byvalue, _reply, _worker
 from ._slots import Slots
 
-__all__ = ["CrashInfo", "Generation", "Rows", "concurrency_of", "interpreter_exiting"]
+__all__ = ["CrashInfo", "Generation", "Rows", "concurrency_of", "describe_exit", "interpreter_exiting"]
 
 Rows = dict[int, tuple[int, int, int]]  # pid -> (phase, task_id, start_ns)
+
+
+def describe_exit(code: int | None) -> str:
+    """An exit code for a message: ``-9, killed by SIGKILL``."""
+    if code is None:
+        return "unknown"
+    if code < 0:
+        try:
+            return f"{code}, killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"{code}, killed by signal {-code}"
+    return str(code)
 
 
 @dataclass

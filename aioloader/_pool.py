@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import contextlib
+import functools
 import os
 import signal
 import threading
@@ -38,7 +39,7 @@ from typing import Any, Literal
 
 from . import _byvalue, _reply, _slots, _worker
 from ._cpus import available_cpus
-from ._generation import CrashInfo, Generation, concurrency_of, interpreter_exiting, live_boxes
+from ._generation import CrashInfo, Generation, concurrency_of, describe_exit, interpreter_exiting, live_boxes
 from ._slots import Slots
 from ._validate import default_mp_context, resolve_context
 from ._wake import Waker, waker_for
@@ -57,18 +58,6 @@ __all__ = [
 
 PoolKind = Literal["process", "thread", "external"]
 MAX_START_FAILURES = 3
-
-
-def describe_exit(code: int | None) -> str:
-    """An exit code for a message: ``-9, killed by SIGKILL``."""
-    if code is None:
-        return "unknown"
-    if code < 0:
-        try:
-            return f"{code}, killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"{code}, killed by signal {-code}"
-    return str(code)
 
 
 class Lost(Exception):
@@ -281,7 +270,9 @@ class WorkerPool:
             waiter: asyncio.Future[None] = loop.create_future()
             job.waiter = waiter
             job.waker = waker_for(loop)
-            job.future.add_done_callback(job.wake)
+            # Weakly: a settled future keeps its callbacks, and a cycle through job.wake
+            # would keep the batch (and its shared-memory slab) until the cyclic GC ran.
+            job.future.add_done_callback(functools.partial(_wake_job, weakref.ref(job)))
             if _stopped(job):  # stop() ran before it could wake us
                 job.wake()
             await waiter
@@ -430,6 +421,12 @@ class WorkerPool:
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
         return f"<aioloader.WorkerPool {self.kind} workers={self.num_workers} {state}>"
+
+
+def _wake_job(ref: weakref.ref[Job], _fut: object) -> None:
+    job = ref()
+    if job is not None:
+        job.wake()
 
 
 def _stopped(job: Job) -> bool:

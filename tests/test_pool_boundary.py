@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import gc
 import json
 import logging
 import os
@@ -19,6 +20,7 @@ import signal
 import subprocess
 import sys
 import threading
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -437,3 +439,42 @@ def test_a_future_left_unsettled_by_a_retired_generation_is_reported_lost() -> N
         assert asyncio.run(main()) == "lost"
     finally:
         pool.close()
+
+
+@pytest.mark.parametrize("transport", ["shm", "pickle"])
+@pytest.mark.parametrize("face", ["for", "async-for"])
+def test_a_batch_the_consumer_drops_is_freed_at_once(transport: str, face: str) -> None:
+    # Nothing of the engine may keep a delivered batch in a reference cycle: it would
+    # live (with its shared-memory slab, so later batches fall back to pickling) until
+    # the cyclic GC happened to run. With the GC off, a dropped batch must die at once.
+    from ._shm_datasets import ImageDataset
+
+    refs: list[Any] = []
+
+    def keep(batch: Any) -> None:
+        refs.append(weakref.ref(batch["img"]))
+
+    loader = aioloader.DataLoader(
+        ImageDataset(48), 4, num_workers=2, transport=transport, prefetch_next_epoch=False
+    )
+    gc.collect()
+    gc.disable()
+    try:
+        with loader:
+            if face == "for":
+                for batch in loader:
+                    keep(batch)
+                    del batch
+            else:
+
+                async def main() -> None:
+                    async for batch in loader:
+                        keep(batch)
+                        del batch
+
+                asyncio.run(main())
+            alive = [k for k, r in enumerate(refs) if r() is not None]
+    finally:
+        gc.enable()
+    assert len(refs) == 12
+    assert alive == []
