@@ -146,8 +146,10 @@ class LoaderBase:
             prefetch = max(2, 2 * self._pool.concurrency)
         if auto_prefetch:
             settings.append(
-                f"prefetch='auto' chose {prefetch}: two batches per worker of the pool, at least 2"
+                f"prefetch='auto' starts at {prefetch}: two batches per worker of the pool, at least 2 "
+                "(a DataLoader grows it while its batches are cheap: see stats().grouping)"
             )
+        self._prefetch_auto = auto_prefetch
         self.prefetch: int = prefetch
         self._transport: Transport = make_transport(
             transport, pool_kind=self._pool.kind, prefetch=self.prefetch
@@ -157,7 +159,7 @@ class LoaderBase:
         self._shared = Shared()
         self._lock = threading.RLock()
         self._runs: weakref.WeakSet[Run] = weakref.WeakSet()
-        self._recorder = Recorder(settings=tuple(settings))
+        self._recorder = Recorder(settings=tuple(settings), prefetch=prefetch)
         if trace is not None:
             self._recorder.tracer = Tracer(trace)
         self._portal_box: list[Portal | None] = [None]

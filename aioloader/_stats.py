@@ -106,6 +106,8 @@ class LoaderStats:
     """How many batches a pool task holds now (see :attr:`grouping`)."""
     grouping: str = ""
     """What ``batches_per_task`` chose and from what (empty where each batch is a task)."""
+    window: int = 0
+    """Slots in the window now: ``prefetch``, or what ``prefetch="auto"`` grew it to."""
 
     @property
     def batches_per_s(self) -> float | None:
@@ -209,6 +211,7 @@ class Recorder:
     settings: tuple[str, ...] = ()
     tasks: int = 0
     group: Any = None  # the grouping policy (aioloader._engine.group.GroupPolicy), if any
+    prefetch: int = 0  # the window a run starts with
 
     def epoch_started(self, epoch: int) -> _Epoch:
         rec = _Epoch(epoch, time.monotonic_ns())
@@ -284,6 +287,7 @@ class Recorder:
             tasks=self.tasks,
             batches_per_task=self.group.size if self.group is not None else 1,
             grouping=self.group.describe() if self.group is not None else "",
+            window=self.group.window if self.group is not None else self.prefetch,
             **self._fetch_figures(),
         )
 

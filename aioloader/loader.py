@@ -87,8 +87,8 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
             cgroup CPU quota, not ``os.cpu_count()``); ``stats().settings`` says what was
             chosen and why.
         prefetch: most batches submitted, running or waiting for the consumer at once
-            (default ``2 * num_workers``, at least 2; ``"auto"`` is the same rule for
-            now, reported in ``stats().settings``).
+            (default ``2 * num_workers``, at least 2). ``"auto"`` starts there and grows, up
+            to 8x, while batches are cheap (see ``batches_per_task``); ``stats().window``.
         timeout: seconds a batch may take from the moment a worker starts it; on expiry
             :class:`~aioloader.LoaderTimeout` is raised and the worker is killed. ``None``
             or ``0`` (torch's default): none.
@@ -264,7 +264,7 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
             prefetch=torch_args.prefetch, transport=transport, trace=trace,
         )  # fmt: skip
         self._group = self._recorder.group = policy_for(
-            batches_per_task, self.prefetch, self._pool, fetch is not None
+            batches_per_task, self.prefetch, self._pool, fetch is not None, grow=self._prefetch_auto
         )
         self._planner = BatchPlanner(
             length, batch_size=batch_size, shuffle=shuffle, sampler=sampler, batch_sampler=batch_sampler,

@@ -87,7 +87,8 @@ def test_auto_settings_build_the_pool_and_say_why(face: str) -> None:
         assert len(loader.worker_pids()) == loader.num_workers
         assert loader.prefetch == max(2, 2 * loader.num_workers)
     assert stats.settings[0].startswith(f"num_workers='auto' chose {loader.num_workers}: ")
-    assert stats.settings[1].startswith(f"prefetch='auto' chose {loader.prefetch}: ")
+    assert stats.settings[1].startswith(f"prefetch='auto' starts at {loader.prefetch}: ")
+    assert loader.prefetch <= stats.window
     assert "num_workers='auto' chose" in str(stats)
 
 

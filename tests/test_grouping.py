@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import aioloader
-from aioloader._engine.group import TARGET_NS, GroupPolicy, policy_for
+from aioloader._engine.group import GROWTH, MAX_GROUP, TARGET_NS, WINDOW_BUDGET, GroupPolicy, policy_for
 from aioloader._pool import WorkerPool
 
 from ._datasets import AugmentedDataset, CrashDataset, FailingDataset, HangDataset, RangeDataset
@@ -110,15 +110,15 @@ def test_a_borrowed_executor_gets_groups_with_the_dataset(collect: Any) -> None:
 
 
 def test_auto_groups_cheap_batches_and_leaves_costly_ones_alone() -> None:
-    policy = GroupPolicy(None, limit=4)
+    policy = GroupPolicy(None, window=8, workers=2)
     assert policy.size == 1  # nothing measured yet
     policy.observe(1, TARGET_NS // 10)  # a tenth of the target a batch: group to the limit
-    assert policy.size == 4
+    assert policy.size == 4 == policy.limit
     for _ in range(40):  # batches became costly: back to one a task
         policy.observe(2, 2 * 3 * TARGET_NS)
     assert policy.size == 1
     assert "auto, at most 4" in policy.describe()
-    fixed = GroupPolicy(3, limit=8)
+    fixed = GroupPolicy(3, window=8)
     fixed.observe(1, 100 * TARGET_NS)
     assert fixed.size == 3
 
@@ -145,3 +145,32 @@ def test_breaking_out_of_a_grouped_epoch_releases_everything(collect: Any) -> No
         assert len(collect(grouped, limit=3)) == 3
         assert len(collect(grouped)) == 50  # the next pass is whole
         assert grouped.stats().in_flight <= grouped.prefetch
+
+
+def test_auto_prefetch_grows_the_window_for_cheap_batches_only() -> None:
+    cheap = GroupPolicy(None, window=4, workers=2, grow=True)
+    cheap.observe(1, TARGET_NS // 20)  # 20 such batches make one target-long task
+    assert (cheap.window, cheap.size) == (4 * GROWTH, MAX_GROUP)  # two groups of 8 a worker
+    cheap.observe_bytes(WINDOW_BUDGET // 6)  # big batches: the byte budget caps the window
+    cheap.observe(1, TARGET_NS // 20)
+    assert cheap.window == 6 and cheap.size == 3
+    cheap.observe_bytes(WINDOW_BUDGET)  # one batch fills the budget: back to where it began
+    cheap.observe(1, TARGET_NS // 20)
+    assert cheap.window == 4
+    costly = GroupPolicy(None, window=4, workers=2, grow=True)
+    costly.observe(1, 10 * TARGET_NS)
+    assert (costly.window, costly.size) == (4, 1)
+    assert not GroupPolicy(3, window=4, grow=True).grow  # a fixed size keeps the window
+
+
+def test_an_auto_window_delivers_the_batches_of_a_fixed_one(collect: Any) -> None:
+    ds = AugmentedDataset(400)
+    with loader(ds, 1, prefetch=4) as fixed:
+        want = [as_bytes(collect(fixed)) for _ in range(2)]
+    with loader(ds, "auto", prefetch="auto") as auto:
+        got = [as_bytes(collect(auto)) for _ in range(2)]
+        stats = auto.stats()
+    assert got == want
+    assert auto.prefetch == 4 <= stats.window <= 4 * GROWTH
+    assert stats.in_flight <= 4 * GROWTH  # a window that shrank lets what is in flight finish
+    assert "prefetch='auto' window" in stats.grouping

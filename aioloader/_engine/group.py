@@ -35,21 +35,50 @@ from .. import _worker
 from .._reply import Failed
 from .dispatch import Dispatcher, Raised, Split
 
-__all__ = ["TARGET_NS", "GroupPolicy", "GroupStage", "policy_for"]
+__all__ = [
+    "GROWTH",
+    "MAX_GROUP",
+    "TARGET_NS",
+    "WINDOW_BUDGET",
+    "GroupPolicy",
+    "GroupStage",
+    "nbytes_of",
+    "policy_for",
+]
 
 TARGET_NS = 2_000_000  # worker time a task should take before grouping stops paying
+MAX_GROUP = 8  # batches in one task at most (a group's first batch waits for its last)
+GROWTH = 8  # prefetch="auto": the window grows to at most this many times its start
+WINDOW_BUDGET = 64 << 20  # prefetch="auto": bytes of batches a grown window may hold
 _ALPHA = 0.25  # weight of the newest measurement of worker time per batch
 
 
 class GroupPolicy:
-    """How many batches go into one pool task: ``fixed``, or adapted to the measured
-    worker time per batch (``fixed=None``); never more than ``limit``."""
+    """How many batches go into one pool task: ``fixed`` (at most the window), or
+    adapted to the measured worker time per batch (``fixed=None``), at most
+    ``window // workers`` so that every worker has work.
 
-    def __init__(self, fixed: int | None, limit: int) -> None:
-        self.limit = max(1, limit)
+    ``grow`` (``prefetch="auto"``): the window itself may grow, from ``window`` up to
+    :data:`GROWTH` times it, to hold two groups per worker of the size the batches'
+    cost asks for, within :data:`WINDOW_BUDGET` bytes of batches (:meth:`observe_bytes`);
+    it never goes below where it started."""
+
+    def __init__(self, fixed: int | None, window: int, workers: int = 1, grow: bool = False) -> None:
         self.fixed = fixed
-        self.size = min(fixed, self.limit) if fixed is not None else 1
+        self.base = self.window = max(1, window)
+        self.workers = max(1, workers)
+        self.grow = grow and fixed is None
+        self.size = min(fixed, self.window) if fixed is not None else 1
         self.per_batch_ns: float | None = None
+        self.batch_bytes: int | None = None
+
+    @property
+    def limit(self) -> int:
+        return self.window if self.fixed is not None else max(1, self.window // self.workers)
+
+    def observe_bytes(self, nbytes: int) -> None:
+        """A delivered batch held about ``nbytes`` (the largest seen counts)."""
+        self.batch_bytes = nbytes if self.batch_bytes is None else max(self.batch_bytes, nbytes)
 
     def observe(self, batches: int, busy_ns: int) -> None:
         """A task of ``batches`` batches kept its worker busy ``busy_ns``."""
@@ -58,16 +87,24 @@ class GroupPolicy:
         t = busy_ns / batches
         self.per_batch_ns = t if self.per_batch_ns is None else (1 - _ALPHA) * self.per_batch_ns + _ALPHA * t
         if self.fixed is None:
-            want = math.ceil(TARGET_NS / max(self.per_batch_ns, 1.0))
+            want = min(MAX_GROUP, math.ceil(TARGET_NS / max(self.per_batch_ns, 1.0)))
+            if self.grow:
+                window = min(self.base * GROWTH, 2 * self.workers * want)
+                if self.batch_bytes:
+                    window = min(window, WINDOW_BUDGET // self.batch_bytes)
+                self.window = max(self.base, window)
             self.size = max(1, min(self.limit, want))
 
     def describe(self) -> str:
         how = f"fixed at {self.fixed}" if self.fixed is not None else "auto"
         per = f", {self.per_batch_ns / 1e6:.3f} ms of worker time per batch" if self.per_batch_ns else ""
-        return f"{self.size} per task ({how}, at most {self.limit}{per})"
+        grown = f"; prefetch='auto' window {self.window} (from {self.base})" if self.grow else ""
+        return f"{self.size} per task ({how}, at most {self.limit}{per}){grown}"
 
 
-def policy_for(setting: Any, prefetch: int, pool: Any, fetching: bool) -> GroupPolicy | None:
+def policy_for(
+    setting: Any, prefetch: int, pool: Any, fetching: bool, grow: bool = False
+) -> GroupPolicy | None:
     """The policy for a loader's ``batches_per_task=setting`` (validated here), or
     ``None`` where every batch is a task of its own: threads, owned or borrowed (their
     tasks cost no pickling or pipe to spare), a loader with ``fetch=``, or ``1``."""
@@ -77,8 +114,23 @@ def policy_for(setting: Any, prefetch: int, pool: Any, fetching: bool) -> GroupP
     if not pool.crosses_processes or fetching or setting == 1:
         return None
     if setting == "auto":
-        return GroupPolicy(None, prefetch // pool.concurrency)
+        return GroupPolicy(None, prefetch, pool.concurrency, grow=grow)
     return GroupPolicy(setting, prefetch)
+
+
+def nbytes_of(batch: Any, depth: int = 3) -> int:
+    """About how many bytes a batch holds: its arrays' and tensors' buffers and its
+    bytes, through tuples, lists and dicts (``depth`` levels); anything else 64."""
+    n = getattr(batch, "nbytes", None)
+    if isinstance(n, int):
+        return n
+    if isinstance(batch, (bytes, bytearray, str)):
+        return len(batch)
+    if depth and isinstance(batch, (tuple, list)):
+        return sum(nbytes_of(x, depth - 1) for x in batch)
+    if depth and isinstance(batch, dict):
+        return sum(nbytes_of(x, depth - 1) for x in batch.values())
+    return 64
 
 
 class _Group:

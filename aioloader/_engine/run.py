@@ -39,7 +39,7 @@ from .._stats import Recorder, _Epoch
 from ..errors import LoaderClosedError, add_note
 from .dispatch import Dispatcher, Raised, cancelling
 from .fetch import FetchConfig, FetchStage
-from .group import GroupPolicy, GroupStage
+from .group import GroupPolicy, GroupStage, nbytes_of
 
 __all__ = ["Delivery", "Run", "RunConfig", "Unit", "UnitSource", "closed_while_iterating"]
 
@@ -125,6 +125,9 @@ class Run:
         self.source = source
         self.loop = asyncio.get_running_loop()
         self.sem = asyncio.Semaphore(cfg.prefetch)
+        self.window = cfg.prefetch  # the semaphore's size; a policy may grow it (prefetch="auto")
+        self._debt = 0  # slots to withhold as they free, after the window shrank
+        self._sampled = 0  # deliveries since the last one weighed for the policy
         self.ready: asyncio.Queue[Any] = asyncio.Queue()
         self.units: dict[asyncio.Future[Any], Unit] = {}  # submitted and not yet taken
         self.aside: collections.deque[asyncio.Future[Any]] = collections.deque()
@@ -157,7 +160,10 @@ class Run:
             while True:
                 # A group's slots are all reserved before its first unit is taken, so
                 # that its units go out together (without grouping: one at a time).
-                want = self.grouper.size if self.grouper is not None and not held else 1
+                want = 1
+                if self.grouper is not None and not held:
+                    self._resize(self.grouper.policy.window)
+                    want = self.grouper.size
                 while held < want:
                     await self.sem.acquire()
                     held += 1
@@ -183,7 +189,25 @@ class Run:
 
     def _release_held(self, held: int) -> None:
         for _ in range(held):
+            self._free_slot()
+
+    def _free_slot(self) -> None:
+        if self._debt:
+            self._debt -= 1
+        else:
             self.sem.release()
+
+    def _resize(self, window: int) -> None:
+        """Make the window ``window`` slots: new slots are free at once; a smaller window
+        withholds slots as they free (nothing in flight is cancelled)."""
+        delta, self.window = window - self.window, window
+        if delta > 0:
+            paid = min(delta, self._debt)
+            self._debt -= paid
+            for _ in range(delta - paid):
+                self.sem.release()
+        elif delta < 0:
+            self._debt -= delta
 
     def _submit(self, unit: Unit) -> None:
         if self.grouper is not None:
@@ -275,11 +299,21 @@ class Run:
             if data is not None:
                 if self.cfg.decode is not None:
                     data = self.cfg.decode(data)
+                if self.grouper is not None and self.grouper.policy.grow:
+                    self._weigh(data)
                 # Counted before the slot frees: a pull that the freed slot allows is
                 # never seen before the delivery that allowed it.
                 self.cfg.recorder.delivered(rec, unit.size - len(res.skipped), now - t0, now)
             self._release(entry)
             return Delivery(unit, data, res.skipped)
+
+    def _weigh(self, data: Any) -> None:
+        # One delivery in 32 is weighed, for the window's byte budget.
+        self._sampled -= 1
+        if self._sampled < 0:
+            self._sampled = 31
+            assert self.grouper is not None
+            self.grouper.policy.observe_bytes(nbytes_of(data))
 
     async def _cancelled(self) -> BaseException:
         """The consumer saw ``CancelledError``: its own cancellation (re-raised), or the
@@ -308,7 +342,7 @@ class Run:
         # The slot frees when the consumer takes the unit, not when the worker ends it;
         # once per unit, whichever path takes it.
         if self.units.pop(t, None) is not None:
-            self.sem.release()
+            self._free_slot()
             self.cfg.recorder.released()
 
     # ------------------------------------------------------------------- closing
