@@ -274,3 +274,15 @@ def test_printed_stats_stay_short_after_many_epochs() -> None:
     firsts = by["first batch ms by epoch"]
     assert firsts.count(": ") == 6 and " 11: " in firsts and firsts.endswith("(last 5 of 12 epochs)")
     assert "<10 more>" in repr(st) and len(repr(st)) < 1000
+
+
+def test_work_left_by_an_event_loop_that_closed_is_not_counted_in_flight() -> None:
+    # Each asyncio.run() ends while the run has gone on into the next epoch (up to
+    # `prefetch` batches in flight); that loop is gone, and so is its work.
+    async def epoch(loader: aioloader.DataLoader[Any]) -> int:
+        return sum([1 async for _ in loader])
+
+    with aioloader.DataLoader(RangeDataset(40), 4, num_workers=2, prefetch=4, batches_per_task=1) as loader:
+        for _ in range(3):
+            assert asyncio.run(epoch(loader)) == 10
+            assert loader.stats().in_flight <= loader.prefetch

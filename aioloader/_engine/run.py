@@ -392,6 +392,7 @@ class Run:
         """
         loop = self.loop
         if loop.is_closed():
+            self._abandoned()
             return None
         try:
             running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
@@ -406,6 +407,16 @@ class Run:
             return asyncio.run_coroutine_threadsafe(self.aclose(), loop)
         except RuntimeError:  # the loop closed in between
             return None
+
+    def _abandoned(self) -> None:
+        """The run's loop closed under it (``asyncio.run`` ended while the run had gone
+        on into the next epoch): its units will never be taken; stop counting them."""
+        if self._close_done is None and not self.closed:
+            self.closed = True
+            for _ in self.units:
+                self.cfg.recorder.released()
+            self.units.clear()
+            self.aside.clear()
 
     async def aclose_from_any_loop(self) -> None:
         """:meth:`aclose` from a coroutine on whichever loop is running."""

@@ -25,10 +25,14 @@ Workloads:
    epochs, an 80 ms sleep per batch (a training step slower than every loader), time from
    ``iter(loader)`` to the first batch of epochs 2-5; aioloader also runs with
    ``prefetch_next_epoch=False``;
-4. ``dispatch``: the dispatch ceiling, 10,000 samples that are ints, batch 1 -> batches/s
+4. ``dispatch``: the dispatch ceiling, 4,000 samples that are ints, batch 1 -> batches/s
    (4 epochs; quick: 3): each batch costs its worker almost nothing, so this is what a
    loader pays per batch; aioloader also runs with ``prefetch=16`` (a window that lets it
    give a worker 8 batches a task).
+
+On ``jpeg``, ``tiny`` and ``dispatch``, ``aioloader-auto`` is aioloader with
+``num_workers="auto", prefetch="auto"`` (2 workers on a 2-core machine; the window grows
+while batches are cheap).
 
 Each (workload, loader, repetition) runs in a fresh Python process, so that the main
 process's CPU time (``time.process_time()``: all threads of the main process, the
@@ -70,21 +74,27 @@ PEERS = ("grain", "spdl", "spdl-threads")
 # generators costs on samples this cheap); the epoch-boundary workload also runs
 # it with ``prefetch_next_epoch=False``, to show what the next-epoch prefetch buys.
 WORKLOAD_LOADERS: dict[str, tuple[str, ...]] = {
-    "jpeg": ("aioloader", "torch-persistent", "torch", "grain", "spdl", "bound"),
-    "tiny": ("aioloader", "aioloader-noseed", "torch-persistent", "torch", "grain", "spdl", "bound"),
+    "jpeg": ("aioloader", "aioloader-auto", "torch-persistent", "torch", "grain", "spdl", "bound"),
+    "tiny": (
+        "aioloader", "aioloader-auto", "aioloader-noseed", "torch-persistent", "torch", "grain", "spdl", "bound",
+    ),
     "boundary": ("aioloader", "aioloader-noprefetch", "torch-persistent", "torch", "grain", "spdl"),
-    "dispatch": ("aioloader", "aioloader-p16", "torch-persistent", "torch", "grain", "spdl", "bound"),
+    "dispatch": (
+        "aioloader", "aioloader-auto", "aioloader-p16", "torch-persistent", "torch", "grain", "spdl", "bound",
+    ),
 }
 LOADER_KWARGS: dict[str, dict[str, Any]] = {
     "aioloader-noseed": {"seed_samples": False},
     "aioloader-noprefetch": {"prefetch_next_epoch": False},
     "aioloader-p16": {"prefetch": 16},
+    "aioloader-auto": {"num_workers": "auto", "prefetch": "auto"},
 }
 WORKERS = 2
 TICK_LABELS = {
     "aioloader-noseed": "aioloader\nseed_samples\n=False",
     "aioloader-noprefetch": "aioloader\nprefetch_next_\nepoch=False",
     "aioloader-p16": "aioloader\nprefetch=16",
+    "aioloader-auto": "aioloader\n\"auto\"",
 }
 
 # --------------------------------------------------------------------------- child side
@@ -185,14 +195,8 @@ def _run_loader(spec: dict[str, Any]) -> dict[str, Any]:
 
         rss_base = _rss_now_mb()
         t_make = time.perf_counter()
-        loader = aioloader.DataLoader(
-            dataset,
-            spec["batch_size"],
-            shuffle=True,
-            num_workers=WORKERS,
-            seed=0,
-            **LOADER_KWARGS.get(kind, {}),
-        )
+        kwargs: dict[str, Any] = {"num_workers": WORKERS, **LOADER_KWARGS.get(kind, {})}
+        loader = aioloader.DataLoader(dataset, spec["batch_size"], shuffle=True, seed=0, **kwargs)
     step_s = spec.get("step_ms", 0) / 1000.0
     epochs = []
     threads_before: dict[int, float] = {}
@@ -519,6 +523,7 @@ def draw_png(results: dict[str, Any], path: Path) -> None:
         "aioloader-noseed": "#7fb3d5",
         "aioloader-noprefetch": "#9dc3e6",
         "aioloader-p16": "#5499c7",
+        "aioloader-auto": "#1b4f72",
         "torch-persistent": "#e08a2c",
         "torch": "#f2c14e",
         "grain": "#3a9e5c",
@@ -594,7 +599,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=None, help="JPEG epochs per run (default 5; quick 3)")
     parser.add_argument("--images", type=int, default=2048, help="synthetic JPEGs")
     parser.add_argument("--tiny-samples", type=int, default=200_000)
-    parser.add_argument("--dispatch-samples", type=int, default=10_000)
+    parser.add_argument("--dispatch-samples", type=int, default=4_000)
     parser.add_argument(
         "--boundary-images", type=int, default=512, help="images per epoch in the epoch-boundary runs"
     )
