@@ -576,6 +576,8 @@ def draw_png(results: dict[str, Any], path: Path) -> None:
             label = f"{v:,.0f}" if v >= 100 else (f"{v:.1f}" if v >= 1 else f"{v:.2f}")
             ax.annotate(label, (bar.get_x() + bar.get_width() / 2, v), ha="center", va="bottom", fontsize=8)
         ax.margins(y=0.15)
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.axis("off")
     fig.suptitle(
         f"aioloader vs torch, Grain and SPDL, {WORKERS} workers, {results['machine']['cpus']} cores "
         f"(medians; {results['mode']} mode)",
