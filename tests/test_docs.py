@@ -1,6 +1,6 @@
 """Every runnable Python snippet in the README and the docs runs.
 
-Blocks fenced as ``python illustration`` are fragments with placeholders (a dataset
+Blocks fenced as ``{.python .illustration}`` are fragments with placeholders (a dataset
 you supply, a remote scheduler): they are shown, not run. Everything fenced ``python``
 must run as a script. Every page under docs/ is covered, and every page is in the site's
 navigation (mkdocs.yml), so a new page can be neither forgotten by this test nor left
