@@ -636,20 +636,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"JPEGs: {args.images} in {root} (ready in {time.perf_counter() - t0:.1f} s)", flush=True)
     if "jpeg" in workloads:
         specs["jpeg"] = {"workload": "jpeg", "root": str(root), "batch_size": 64, "epochs": jpeg_epochs}
-    if "tiny" in workloads:
-        specs["tiny"] = {
-            "workload": "tiny",
-            "samples": args.tiny_samples,
-            "batch_size": 256,
-            "epochs": tiny_epochs,
-        }
-    if "dispatch" in workloads:
-        specs["dispatch"] = {
-            "workload": "dispatch",
-            "samples": args.dispatch_samples,
-            "batch_size": 1,
-            "epochs": tiny_epochs,
-        }
+    # Ints, as many as asked for: batches of 256 (loader overhead) and of 1 (dispatch ceiling).
+    for name, samples, batch_size in (("tiny", args.tiny_samples, 256), ("dispatch", args.dispatch_samples, 1)):
+        if name in workloads:
+            specs[name] = {"workload": name, "samples": samples, "batch_size": batch_size, "epochs": tiny_epochs}
     if "boundary" in workloads:
         specs["boundary"] = {
             "workload": "boundary",
