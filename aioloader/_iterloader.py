@@ -117,6 +117,7 @@ class IterableDataLoader(DataLoader[Any]):
         # The DataLoader's own validation, on a stand-in map-style dataset of length 0:
         # every other argument means the same here.
         super().__init__(_NoSamples(), batch_size, **kwargs)
+        self._group = self._recorder.group = None  # a shard task sends its batches itself
         self.__dict__["dataset"] = dataset  # past the frozen attributes' guard: set once, here
         self.__dict__["last_batch"] = "discard" if discard else "keep"  # drop_last reads it
         self._shards = self._pool.concurrency if self._pool.kind == "process" else 1

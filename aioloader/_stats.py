@@ -229,6 +229,8 @@ class Recorder:
         """One task done; ``named.label`` (read only when tracing) names it."""
         self.busy_ns += end_ns - start_ns
         self.tasks += 1
+        if self.group is not None:  # the grouping policy learns what batches cost
+            self.group.observe(getattr(named, "batches", 1), end_ns - start_ns)
         self.workers_seen.add(pid)
         self.latencies.append(now - submit_ns)
         if self.tracer is not None:

@@ -42,7 +42,6 @@ __all__ = [
     "WINDOW_BUDGET",
     "GroupPolicy",
     "GroupStage",
-    "nbytes_of",
     "policy_for",
 ]
 
@@ -81,7 +80,8 @@ class GroupPolicy:
         self.batch_bytes = nbytes if self.batch_bytes is None else max(self.batch_bytes, nbytes)
 
     def observe(self, batches: int, busy_ns: int) -> None:
-        """A task of ``batches`` batches kept its worker busy ``busy_ns``."""
+        """A task of ``batches`` batches kept its worker busy ``busy_ns`` (the recorder
+        reports every finished task of the loader here)."""
         if batches <= 0:
             return
         t = busy_ns / batches
@@ -118,26 +118,12 @@ def policy_for(
     return GroupPolicy(setting, prefetch)
 
 
-def nbytes_of(batch: Any, depth: int = 3) -> int:
-    """About how many bytes a batch holds: its arrays' and tensors' buffers and its
-    bytes, through tuples, lists and dicts (``depth`` levels); anything else 64."""
-    n = getattr(batch, "nbytes", None)
-    if isinstance(n, int):
-        return n
-    if isinstance(batch, (bytes, bytearray, str)):
-        return len(batch)
-    if depth and isinstance(batch, (tuple, list)):
-        return sum(nbytes_of(x, depth - 1) for x in batch)
-    if depth and isinstance(batch, dict):
-        return sum(nbytes_of(x, depth - 1) for x in batch.values())
-    return 64
-
-
 class _Group:
     """Several units as one pool task: what the dispatcher names and submits."""
 
     def __init__(self, members: Sequence[Any]) -> None:
         self.members = members
+        self.batches = len(members)  # what the policy counts (a unit alone is one)
         first, last = members[0], members[-1]
         if first.group == last.group:
             self.label = f"the group of batches {first.key}-{last.key} of epoch {first.group}"
@@ -169,15 +155,16 @@ class GroupStage:
     def size(self) -> int:
         return self.policy.size
 
-    def add(self, unit: Any) -> asyncio.Future[Any]:
+    def add(self, unit: Any) -> asyncio.Future[Any] | None:
         """Put ``unit`` in the group being gathered; its future settles when it is built.
 
         The group's task is created with its first unit (so that it is a task of the
         run's loop from the start, cancelled with the others) and closes the group when
         it begins: the producer adds the units of a burst without yielding, so a group
-        holds what the producer had ready, up to the policy's size."""
+        holds what the producer had ready, up to the policy's size. Returns ``None``
+        when units go one a task now: the run runs the unit as it runs any other."""
         if self.policy.size == 1 and self._open is None:
-            return self.loop.create_task(self._alone(unit))
+            return None
         fut: asyncio.Future[Any] = self.loop.create_future()
         group = self._open
         if group is None:
@@ -198,27 +185,18 @@ class GroupStage:
             if not fut.done():
                 fut.cancel()
 
-    async def _alone(self, unit: Any) -> Any:
-        """One unit in a task of its own: its result (as the run's own tasks return it)."""
-        try:
-            res = await self.dispatcher.run(unit.fn, unit.make_task, unit)
-        except (SystemExit, KeyboardInterrupt) as exc:
-            return Raised(exc)
-        self.policy.observe(1, res.end_ns - res.start_ns)
-        return res
-
     async def _run(self, members: list[tuple[Any, asyncio.Future[Any]]]) -> None:
         if self._open is members:
             self._open = None  # it begins: later units go into a new group
         units = [u for u, _ in members]
         try:
-            if len(units) == 1:
-                outcomes: Sequence[Any] = (await self._alone(units[0]),)
+            if len(units) == 1:  # a group that ended with one unit, or a member split off
+                u = units[0]
+                outcomes: Sequence[Any] = (await self.dispatcher.run(u.fn, u.make_task, u),)
             else:
                 group = _Group(units)
                 res = await self.dispatcher.run(_worker.run_group, group.make_task, group, split=True)
                 outcomes = res.outcomes
-                self.policy.observe(len(units), res.end_ns - res.start_ns)
         except Split:  # its worker died holding it, or it overran: each batch again, alone
             await asyncio.gather(*(self._run([m]) for m in members))
             return

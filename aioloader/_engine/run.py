@@ -38,8 +38,8 @@ from .._pool import WorkerPool
 from .._stats import Recorder, _Epoch
 from ..errors import LoaderClosedError, add_note
 from .dispatch import Dispatcher, Raised, cancelling
-from .fetch import FetchConfig, FetchStage
-from .group import GroupPolicy, GroupStage, nbytes_of
+from .fetch import FetchConfig, FetchStage, nbytes
+from .group import GroupPolicy, GroupStage
 
 __all__ = ["Delivery", "Run", "RunConfig", "Unit", "UnitSource", "closed_while_iterating"]
 
@@ -127,7 +127,6 @@ class Run:
         self.sem = asyncio.Semaphore(cfg.prefetch)
         self.window = cfg.prefetch  # the semaphore's size; a policy may grow it (prefetch="auto")
         self._debt = 0  # slots to withhold as they free, after the window shrank
-        self._sampled = 0  # deliveries since the last one weighed for the policy
         self.ready: asyncio.Queue[Any] = asyncio.Queue()
         self.units: dict[asyncio.Future[Any], Unit] = {}  # submitted and not yet taken
         self.aside: collections.deque[asyncio.Future[Any]] = collections.deque()
@@ -210,9 +209,8 @@ class Run:
             self._debt -= delta
 
     def _submit(self, unit: Unit) -> None:
-        if self.grouper is not None:
-            t: asyncio.Future[Any] = self.grouper.add(unit)
-        else:
+        t = self.grouper.add(unit) if self.grouper is not None else None
+        if t is None:
             t = self.loop.create_task(self._execute(unit))
         self.units[t] = unit
         self.cfg.recorder.submitted(time.monotonic_ns())
@@ -299,21 +297,17 @@ class Run:
             if data is not None:
                 if self.cfg.decode is not None:
                     data = self.cfg.decode(data)
-                if self.grouper is not None and self.grouper.policy.grow:
-                    self._weigh(data)
+                if (
+                    self.grouper is not None
+                    and self.grouper.policy.grow
+                    and not self.cfg.recorder.batches % 32
+                ):
+                    self.grouper.policy.observe_bytes(nbytes(data))  # one delivery in 32 is weighed
                 # Counted before the slot frees: a pull that the freed slot allows is
                 # never seen before the delivery that allowed it.
                 self.cfg.recorder.delivered(rec, unit.size - len(res.skipped), now - t0, now)
             self._release(entry)
             return Delivery(unit, data, res.skipped)
-
-    def _weigh(self, data: Any) -> None:
-        # One delivery in 32 is weighed, for the window's byte budget.
-        self._sampled -= 1
-        if self._sampled < 0:
-            self._sampled = 31
-            assert self.grouper is not None
-            self.grouper.policy.observe_bytes(nbytes_of(data))
 
     async def _cancelled(self) -> BaseException:
         """The consumer saw ``CancelledError``: its own cancellation (re-raised), or the
