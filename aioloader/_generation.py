@@ -1,5 +1,6 @@
 """One incarnation of a pool's executor, and every private name of ``concurrent.futures``
-and ``multiprocessing`` that aioloader reads (no other module reads any).
+and ``multiprocessing`` that aioloader reads (no other module reads any, but
+:mod:`aioloader._forkserver` those of the forkserver).
 
 A :class:`Generation` wraps one executor: the process pool or thread an owned
 :class:`~aioloader.WorkerPool` created, or the executor a user lent it. A crash ends a
@@ -26,10 +27,6 @@ processes a pool runs, which one died, or stop a stuck worker:
 ``concurrent.futures.thread._threads_queues``      stuck thread
 ``concurrent.futures.process._global_shutdown``,   telling interpreter exit from a broken pool
 ``concurrent.futures.thread._shutdown``
-``multiprocessing.forkserver._forkserver``:        preloading the forkserver; resetting what a
-``._forkserver_pid``, ``._preload_modules``,       forked child inherits from its parent's
-``._forkserver_address``,                          forkserver
-``._forkserver_alive_fd``, ``._lock``
 ``threading._register_atexit``                     stopping our workers before concurrent.futures
                                                    joins them at interpreter exit
 =================================================  ===============================================
@@ -55,7 +52,7 @@ from multiprocessing.connection import wait as wait_ready
 from multiprocessing.context import BaseContext
 from typing import Any
 
-from . import _byvalue, _reply, _worker
+from . import _byvalue, _forkserver, _reply, _worker
 from ._slots import Slots
 
 __all__ = ["CrashInfo", "Generation", "Rows", "concurrency_of", "describe_exit", "interpreter_exiting"]
@@ -115,8 +112,7 @@ class Generation:
         method = ctx.get_start_method()
         if method != "fork":
             _byvalue.drop_fake_main_file()
-        if method == "forkserver":
-            _preload_forkserver(ctx)
+        _forkserver.prepare(ctx)
         _retire_at_child_exit()
         with tracker_safe():
             table = ctx.RawArray("q", Slots.WIDTH * n)
@@ -295,7 +291,7 @@ def _retire_at_child_exit() -> None:
         mp_util.Finalize(None, _retire_all_at_exit, exitpriority=100)
 
 
-_preload_lock = threading.Lock()
+_slot_locks_guard = threading.Lock()
 _slot_locks: dict[str, Any] = {}
 
 
@@ -305,46 +301,21 @@ def _slot_lock(ctx: BaseContext) -> Any:
     garbage collector finalizes while this thread talks to the resource tracker makes
     CPython 3.12's tracker raise ``ReentrantCallError`` and keep descriptors.)"""
     method = ctx.get_start_method()
-    with _preload_lock:
+    with _slot_locks_guard:
         lock = _slot_locks.get(method)
         if lock is None:
             lock = _slot_locks[method] = ctx.Lock()
         return lock
 
 
-def _preload_forkserver(ctx: BaseContext) -> None:
-    """Have the forkserver import :mod:`aioloader._forkserver_preload` (workers ignore
-    SIGINT from birth and start with aioloader imported). Only takes effect if the
-    forkserver has not started yet; ``__main__`` stays preloaded, as by default."""
-    from multiprocessing import forkserver
-
-    with _preload_lock:
-        server: Any = forkserver._forkserver
-        if getattr(server, "_forkserver_pid", None) is not None:
-            return
-        current = list(getattr(server, "_preload_modules", ["__main__"]))
-        if "aioloader._forkserver_preload" not in current:
-            ctx.set_forkserver_preload([*current, "aioloader._forkserver_preload"])
-
-
 def _after_fork_in_child() -> None:
     """A child forked from this process inherits its pools and its forkserver's
     bookkeeping, none of which it owns: without this it would kill its parent's workers
-    at exit, and its first pool would fail with ``ChildProcessError`` (multiprocessing
-    would wait for a forkserver that is not its child)."""
+    at exit, and its first pool would fail with ``ChildProcessError``."""
     for box in live_boxes.values():
         box[0] = None
     live_boxes.clear()
-    from multiprocessing import forkserver
-
-    server: Any = forkserver._forkserver
-    if getattr(server, "_forkserver_pid", None) is not None:
-        alive = server._forkserver_alive_fd
-        server._forkserver_pid = server._forkserver_address = server._forkserver_alive_fd = None
-        server._lock = threading.Lock()
-        if alive is not None:
-            with contextlib.suppress(OSError):
-                os.close(alive)
+    _forkserver.after_fork_in_child()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

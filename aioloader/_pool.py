@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from multiprocessing.context import BaseContext
 from typing import Any, Literal
 
-from . import _byvalue, _reply, _slots, _worker
+from . import _byvalue, _forkserver, _reply, _slots, _worker
 from ._cpus import available_cpus
 from ._generation import CrashInfo, Generation, concurrency_of, describe_exit, interpreter_exiting, live_boxes
 from ._slots import Slots
@@ -116,6 +116,8 @@ class WorkerPool:
         )
         self.num_workers = num_workers
         self._context = resolve_context(mp_context) if self.kind == "process" else None
+        if self._context is not None:  # now, before the event loop's thread exists
+            _forkserver.prepare(self._context)
         self._external = executor
         self._payloads: dict[str, bytes | _byvalue.Inherited] = {}
         self._lock = threading.RLock()

@@ -21,7 +21,9 @@ SHM_PREFIX = "aioloader_"
 # The Python on which CI installs torch (the one torch build on the machine's disk): there a
 # missing torch is a broken environment, not a reason to skip.
 TORCH_REQUIRED_ON = (3, 11)
-HELPER_MARKERS = ("forkserver", "resource_tracker", "semaphore_tracker")
+# A forkserver that aioloader forked from its consumer has the consumer's command line
+# and is told apart by its process name (``aioloader._forkserver.PROCESS_NAME``).
+HELPER_MARKERS = ("forkserver", "resource_tracker", "semaphore_tracker", "aioloader-fsrv")
 
 
 def _children(pid: int) -> list[int]:
@@ -79,6 +81,16 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
+def _label(pid: int) -> str:
+    """The command line and the process name: what tells a helper process apart."""
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            comm = f.read().strip()
+    except OSError:
+        comm = ""
+    return f"{_cmdline(pid)} [{comm}]"
+
+
 def _is_zombie(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -93,10 +105,10 @@ def descendant_workers(root: int | None = None) -> set[int]:
     interpreter, not to any loader."""
     out: set[int] = set()
     top = os.getpid() if root is None else root
-    stack = [(pid, _cmdline(top)) for pid in _children(top)]
+    stack = [(pid, _label(top)) for pid in _children(top)]
     while stack:
         pid, parent_cmd = stack.pop()
-        cmd = _cmdline(pid)
+        cmd = _label(pid)
         stack.extend((c, cmd) for c in _children(pid))
         if _is_zombie(pid):
             continue

@@ -1,0 +1,201 @@
+"""The forkserver that owned process pools fork their workers from, and the private
+names of ``multiprocessing.forkserver`` that aioloader reads (no other module does).
+
+Why a forkserver started by ``fork``
+------------------------------------
+multiprocessing starts its forkserver as a new interpreter that imports ``__main__``
+(and so the dataset's modules) before it forks the first worker. A dataset module that
+imports torch makes that about 2 s on a laptop-class core, paid before the first batch,
+where torch's ``fork`` workers inherit the consumer's imports for nothing.
+
+So the first time an owned pool is created (:func:`prepare`), in a process with a
+single thread, on Linux, and on a Python whose forkserver protocol this module knows,
+the consumer forks a copy of itself and runs multiprocessing's own forkserver loop
+(``multiprocessing.forkserver.main``) in it. Every module the consumer has imported is
+already there; workers are forked from it exactly as from a spawned forkserver (one
+request on its socket each, the same fds passed, the same exit codes reported), so
+nothing else in the pool changes. The copy is made while nothing else runs in the
+process: no lock of another thread can be inherited held, which is what makes ``fork``
+unsafe in threaded programs. With more than one thread, the spawned forkserver is used,
+as before.
+
+The copy resets what a fresh interpreter would not have: Python-level signal handlers
+go back to the default (SIGINT is ignored, as the preload does for spawned servers),
+stdout and stderr are flushed before the fork (no buffered text printed twice), and
+the garbage collector's current objects are frozen (workers do not touch their pages).
+It holds the consumer's memory as it was at that moment, shared copy-on-write, until
+the consumer exits: memory the consumer frees later stays resident in it. Set
+``AIOLOADER_FORKSERVER=spawn`` to always use the spawned forkserver.
+
+Private names read, because the public API has no way to install a forkserver:
+
+=================================================  ===============================================
+``multiprocessing.forkserver._forkserver``:        installing the forked server; preloading the
+``._forkserver_pid``, ``._forkserver_address``,    spawned one; resetting what a forked child
+``._forkserver_alive_fd``, ``._preload_modules``,  inherits from its parent's
+``._lock``
+``multiprocessing.forkserver._serve_one``          naming the workers (in the forked server only)
+=================================================  ===============================================
+
+This module never imports asyncio.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import signal
+import socket
+import sys
+import threading
+from multiprocessing import connection, forkserver
+from multiprocessing import resource_tracker as mp_tracker
+from multiprocessing.context import BaseContext
+from typing import Any
+
+__all__ = ["after_fork_in_child", "prepare", "server_pid"]
+
+ENV = "AIOLOADER_FORKSERVER"  # "spawn": never fork the forkserver
+PROCESS_NAME = b"aioloader-fsrv"  # its /proc/<pid>/comm (its command line is the consumer's)
+WORKER_NAME = b"aioloader-work"  # the name of each worker it forks
+
+_lock = threading.Lock()
+_NATIVE_AT_IMPORT: int | None = None  # set below, once the module's imports are done
+
+
+def server_pid() -> int | None:
+    """The pid of this process's forkserver, if one runs."""
+    pid: int | None = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    return pid
+
+
+def prepare(ctx: BaseContext) -> str:
+    """Called where an owned pool is created, before it starts: make sure the forkserver
+    that ``ctx`` will use preloads aioloader's worker modules, and fork it from this
+    process when that is safe. Returns how it runs: ``"forked"``, ``"spawned"`` (already
+    running) or ``"to spawn"``."""
+    if ctx.get_start_method() != "forkserver":
+        return "n/a"
+    with _lock:
+        server: Any = forkserver._forkserver
+        if server_pid() is not None:
+            return "spawned" if not getattr(server, "_aioloader_forked", False) else "forked"
+        if _can_fork(server):
+            with contextlib.suppress(OSError):
+                _fork_server(server)
+                return "forked"
+        current = list(getattr(server, "_preload_modules", ["__main__"]))
+        if "aioloader._forkserver_preload" not in current:
+            ctx.set_forkserver_preload([*current, "aioloader._forkserver_preload"])
+        return "to spawn"
+
+
+def _can_fork(server: Any) -> bool:
+    if os.environ.get(ENV, "").lower() == "spawn" or not sys.platform.startswith("linux"):
+        return False
+    # The protocol this module speaks: 3.14 added an authentication key, and any
+    # other change means the spawned server.
+    if not hasattr(forkserver, "main") or hasattr(server, "_forkserver_authkey"):
+        return False
+    if threading.active_count() != 1:
+        return False
+    # Native threads: those that were there when aioloader was imported (numpy's
+    # OpenBLAS pool, which prepares itself for fork) are allowed, not one more (an OpenMP
+    # team, CUDA's, a library's own), since such a pool may not survive a fork.
+    native = _native_threads()
+    return native is not None and native <= max(1, _NATIVE_AT_IMPORT or 1)
+
+
+def _native_threads() -> int | None:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return None
+
+
+def _fork_server(server: Any) -> None:
+    """What ``ForkServer.ensure_running`` does, with ``os.fork`` in place of a new
+    interpreter. Holds the server's own lock, as that method does."""
+    with server._lock:
+        mp_tracker.ensure_running()  # its fd is passed to each worker, as usual
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        with socket.socket(socket.AF_UNIX) as listener:
+            address = connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
+            listener.bind(address)
+            os.chmod(address, 0o600)
+            listener.listen()
+            alive_r, alive_w = os.pipe()
+            try:
+                pid = os.fork()
+            except BaseException:
+                os.close(alive_r)
+                os.close(alive_w)
+                raise
+            if pid == 0:  # pragma: no cover - the forked server (coverage does not follow it)
+                code = 1
+                try:
+                    os.close(alive_w)
+                    _serve(listener.fileno(), alive_r)
+                    code = 0
+                except SystemExit:  # forkserver.main's way out, once every client is gone
+                    code = 0
+                finally:
+                    os._exit(code)
+            os.close(alive_r)
+        server._forkserver_address = address
+        server._forkserver_alive_fd = alive_w
+        server._forkserver_pid = pid
+        server._aioloader_forked = True
+
+
+def _serve(listener_fd: int, alive_r: int) -> None:  # pragma: no cover - in the forked server
+    global _lock
+    # Both locks were held by the fork; workers forked from here inherit these copies.
+    _lock = threading.Lock()
+    forkserver._forkserver._lock = threading.Lock()  # type: ignore[attr-defined]
+    _name_process(PROCESS_NAME)
+    for sig in signal.valid_signals():
+        with contextlib.suppress(OSError, ValueError, TypeError):
+            if callable(signal.getsignal(sig)):
+                signal.signal(sig, signal.SIG_DFL)
+    signal.set_wakeup_fd(-1)
+    from . import _forkserver_preload  # noqa: F401  (workers ignore SIGINT from birth)
+
+    serve_one = forkserver._serve_one  # type: ignore[attr-defined]
+
+    def worker(*args: Any) -> Any:  # each forked worker takes a name of its own
+        _name_process(WORKER_NAME)
+        return serve_one(*args)
+
+    forkserver._serve_one = worker  # type: ignore[attr-defined]  (in this process only)
+    gc.freeze()
+    forkserver.main(listener_fd, alive_r, [])  # type: ignore[attr-defined]
+
+
+def _name_process(name: bytes) -> None:  # pragma: no cover - in the forked server
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(15, ctypes.c_char_p(name), 0, 0, 0)  # PR_SET_NAME
+
+
+def after_fork_in_child() -> None:
+    """A child forked from this process inherits its forkserver's bookkeeping, which it
+    does not own: without this, its first pool would fail with ``ChildProcessError``
+    (multiprocessing would wait for a forkserver that is not its child)."""
+    server: Any = forkserver._forkserver
+    if getattr(server, "_forkserver_pid", None) is not None:
+        alive = server._forkserver_alive_fd
+        server._forkserver_pid = server._forkserver_address = server._forkserver_alive_fd = None
+        server._aioloader_forked = False
+        server._lock = threading.Lock()
+        if alive is not None:
+            with contextlib.suppress(OSError):
+                os.close(alive)
+
+
+_NATIVE_AT_IMPORT = _native_threads() if threading.active_count() == 1 else None

@@ -1,0 +1,138 @@
+"""The forkserver forked from the consumer: workers start with the consumer's imports.
+
+Each test runs a consumer script of its own (a fresh interpreter, with one thread when
+it builds its first loader, as a training script has), so that the forkserver is the
+one that script starts, not the test process's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from .conftest import _is_zombie, wait_until
+
+pytestmark = [pytest.mark.timeout(180), pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux")]
+
+# A dataset module that records every process that imports it: the stand-in for a module
+# that imports torch (seconds of import in each fresh interpreter).
+PROBE = '''
+import os
+with open(os.environ["PROBE_LOG"], "a") as f:
+    f.write(f"{os.getpid()}\\n")
+
+class Squares:
+    def __len__(self):
+        return 40
+
+    def __getitem__(self, i):
+        return i * i
+'''
+
+CONSUMER = '''
+import asyncio, json, os, sys, threading
+print("before the loader")  # buffered: a fork that copied the buffer would print it twice
+import probe
+import aioloader
+from aioloader import _forkserver
+
+def comm(pid):
+    with open(f"/proc/{pid}/comm") as f:
+        return f.read().strip()
+
+def cmdline(pid):
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().replace(b"\\0", b" ").decode()
+
+def report(loader, batches):
+    server = _forkserver.server_pid()
+    return {
+        "batches": batches,
+        "consumer": os.getpid(),
+        "server": server,
+        "server_comm": comm(server),
+        "server_cmdline": cmdline(server),
+        "worker_comms": sorted(comm(p) for p in loader.worker_pids()),
+    }
+
+async def async_face():
+    async with aioloader.DataLoader(probe.Squares(), 8, num_workers=2) as loader:
+        batches = [b.tolist() async for b in loader]
+        return report(loader, batches)
+
+def sync_face():
+    with aioloader.DataLoader(probe.Squares(), 8, num_workers=2) as loader:
+        batches = [b.tolist() for b in loader]
+        return report(loader, batches)
+
+if __name__ == "__main__":
+    if sys.argv[2] == "threaded":
+        stop = threading.Event()
+        helper = threading.Thread(target=stop.wait)
+        helper.start()
+    out = asyncio.run(async_face()) if sys.argv[1] == "async-for" else sync_face()
+    if sys.argv[2] == "threaded":
+        stop.set()
+        helper.join()
+    print(json.dumps(out))
+'''
+
+EXPECTED = [[i * i for i in range(s, s + 8)] for s in range(0, 40, 8)]
+
+
+def _consume(tmp_path: Path, face: str, mode: str, env: dict[str, str] | None = None) -> tuple[dict, list[int], str]:
+    (tmp_path / "probe.py").write_text(PROBE)
+    script = tmp_path / "consumer.py"
+    script.write_text(textwrap.dedent(CONSUMER))
+    log = tmp_path / "imports.log"
+    log.unlink(missing_ok=True)
+    run_env = {**os.environ, "PROBE_LOG": str(log), "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    run_env.pop("AIOLOADER_FORKSERVER", None)
+    run_env.update(env or {})
+    proc = subprocess.run(
+        [sys.executable, str(script), face, mode], capture_output=True, text=True, timeout=150, env=run_env, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.splitlines()[-1])
+    importers = [int(line) for line in log.read_text().split()]
+    return out, importers, proc.stdout
+
+
+@pytest.mark.parametrize("face", ["for", "async-for"])
+def test_workers_start_from_a_copy_of_the_consumer_and_import_nothing_again(tmp_path: Path, face: str) -> None:
+    out, importers, stdout = _consume(tmp_path, face, "alone")
+    assert out["batches"] == EXPECTED
+    assert out["server_comm"] == "aioloader-fsrv"
+    assert "forkserver" not in out["server_cmdline"]  # the consumer's own command line
+    assert out["worker_comms"] == ["aioloader-work", "aioloader-work"]
+    # The dataset module was imported once, by the consumer: neither the forkserver nor
+    # a worker imported it again.
+    assert importers == [out["consumer"]]
+    assert stdout.count("before the loader") == 1
+    # The forkserver goes with its consumer.
+    wait_until(lambda: not os.path.exists(f"/proc/{out['server']}") or _is_zombie(out["server"]), 30.0,
+               "the forked forkserver to exit with its consumer")
+
+
+@pytest.mark.parametrize(
+    ("mode", "env"),
+    [("threaded", None), ("alone", {"AIOLOADER_FORKSERVER": "spawn"})],
+    ids=["consumer-with-a-thread", "opted-out"],
+)
+def test_the_forkserver_is_spawned_when_forking_is_not_safe_or_not_wanted(
+    tmp_path: Path, mode: str, env: dict[str, str] | None
+) -> None:
+    out, importers, stdout = _consume(tmp_path, "for", mode, env)
+    assert out["batches"] == EXPECTED
+    assert out["server_comm"] != "aioloader-fsrv"
+    assert "multiprocessing.forkserver" in out["server_cmdline"]
+    # Fresh interpreters imported the dataset's module again (here, each worker).
+    assert importers[0] == out["consumer"] and len(importers) > 1
+    # ...and ran the script's top level again, as ``__mp_main__``: once in each worker.
+    assert stdout.count("before the loader") == 3
