@@ -49,10 +49,13 @@ import signal
 import socket
 import sys
 import threading
+import types
 from multiprocessing import connection, forkserver
 from multiprocessing import resource_tracker as mp_tracker
 from multiprocessing.context import BaseContext
 from typing import Any
+
+from . import _byvalue
 
 __all__ = ["after_fork_in_child", "prepare", "server_pid"]
 
@@ -164,15 +167,20 @@ def _serve(listener_fd: int, alive_r: int) -> None:  # pragma: no cover - in the
     signal.set_wakeup_fd(-1)
     from . import _forkserver_preload  # noqa: F401  (workers ignore SIGINT from birth)
 
-    serve_one = forkserver._serve_one  # type: ignore[attr-defined]
+    serve_one = forkserver._serve_one  # type: ignore[attr-defined]  # replaced in this process only
 
     def worker(*args: Any) -> Any:  # each forked worker takes a name of its own
         _name_process(WORKER_NAME)
         return serve_one(*args)
 
-    forkserver._serve_one = worker  # type: ignore[attr-defined]  (in this process only)
+    forkserver._serve_one = worker  # type: ignore[attr-defined]
+    if _byvalue.main_is_interactive():
+        # An interactive consumer (``python -c``, stdin, a prompt): a spawned server's
+        # workers have an empty ``__main__``, and what was defined there reaches them by
+        # value. Keep it so: a copy of the consumer's would shadow those definitions.
+        sys.modules["__main__"] = types.ModuleType("__main__")
     gc.freeze()
-    forkserver.main(listener_fd, alive_r, [])  # type: ignore[attr-defined]
+    forkserver.main(listener_fd, alive_r, [])
 
 
 def _name_process(name: bytes) -> None:  # pragma: no cover - in the forked server

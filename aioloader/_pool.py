@@ -359,8 +359,8 @@ class WorkerPool:
                 gen.retire(grace=0.0)
                 gen.crash = self._conclude(gen)
                 _release_stranded(gen)
-        if gen.crash.fatal is not None:
-            raise gen.crash.fatal
+        if gen.crash.fatal is not None:  # one error for every task: its traceback from here only
+            raise gen.crash.fatal.with_traceback(None)
         return gen.crash
 
     def _conclude(self, gen: Generation) -> CrashInfo:

@@ -28,7 +28,12 @@ Workloads:
 4. ``dispatch``: the dispatch ceiling, 4,000 samples that are ints, batch 1 -> batches/s
    (4 epochs; quick: 3): each batch costs its worker almost nothing, so this is what a
    loader pays per batch; aioloader also runs with ``prefetch=16`` (a window that lets it
-   give a worker 8 batches a task).
+   give a worker 8 batches a task);
+5. ``cold``: the cold start, a fresh process's first loader over 4,096 ints from a
+   dataset module that imports torch (imported by the consumer before the clock starts),
+   batch 64 -> seconds from construction to the first batch; aioloader also runs with
+   ``AIOLOADER_FORKSERVER=spawn`` (``aioloader-spawned``: the forkserver multiprocessing
+   spawns, which imports the dataset's modules again).
 
 On ``jpeg``, ``tiny`` and ``dispatch``, ``aioloader-auto`` is aioloader with
 ``num_workers="auto", prefetch="auto"`` (2 workers on a 2-core machine; the window grows
@@ -82,6 +87,7 @@ WORKLOAD_LOADERS: dict[str, tuple[str, ...]] = {
     "dispatch": (
         "aioloader", "aioloader-auto", "aioloader-p16", "torch-persistent", "torch", "grain", "spdl", "bound",
     ),
+    "cold": ("aioloader", "aioloader-spawned", "torch-persistent", "torch", "grain", "spdl"),
 }
 LOADER_KWARGS: dict[str, dict[str, Any]] = {
     "aioloader-noseed": {"seed_samples": False},
@@ -89,12 +95,17 @@ LOADER_KWARGS: dict[str, dict[str, Any]] = {
     "aioloader-p16": {"prefetch": 16},
     "aioloader-auto": {"num_workers": "auto", "prefetch": "auto"},
 }
+# Environment of a loader's child process: ``aioloader-spawned`` is aioloader with the
+# forkserver multiprocessing spawns (a new interpreter that imports the dataset's modules
+# again), instead of the one it forks from a consumer with one thread.
+LOADER_ENV: dict[str, dict[str, str]] = {"aioloader-spawned": {"AIOLOADER_FORKSERVER": "spawn"}}
 WORKERS = 2
 TICK_LABELS = {
     "aioloader-noseed": "aioloader\nseed_samples\n=False",
     "aioloader-noprefetch": "aioloader\nprefetch_next_\nepoch=False",
     "aioloader-p16": "aioloader\nprefetch=16",
     "aioloader-auto": "aioloader\n\"auto\"",
+    "aioloader-spawned": "aioloader\nspawned\nforkserver",
 }
 
 # --------------------------------------------------------------------------- child side
@@ -159,6 +170,10 @@ def _make_dataset(spec: dict[str, Any]) -> Any:
 
     if spec["workload"] in ("jpeg", "boundary"):
         return bd.jpeg_dataset(spec["root"], spec.get("limit"))
+    if spec["workload"] == "cold":
+        import _bench_torch_dataset  # imports torch, here in the consumer, before the clock starts
+
+        return _bench_torch_dataset.TorchModuleInts(spec["samples"])
     return bd.IntDataset(spec["samples"])
 
 
@@ -310,7 +325,8 @@ def require_torch() -> None:
 
 def run_child(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    env = {**os.environ, **LOADER_ENV.get(spec["loader"], {})}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("RESULT "):
             result: dict[str, Any] = json.loads(line[len("RESULT ") :])
@@ -434,6 +450,8 @@ def summarize(workload: str, runs: dict[str, list[dict[str, Any]]], batch_size: 
             ratios["first_batch_vs_peer_min"] = aio["first_batch_epoch2plus_ms"] / max(
                 1e-6, min(v["first_batch_epoch2plus_ms"] for v in peer_rows.values())
             )
+        if peer_rows:
+            ratios["cold_vs_peer_min"] = aio["cold_start_s"] / min(v["cold_start_s"] for v in peer_rows.values())
         if "bound" in rows:
             ratios["vs_bound"] = aio["samples_per_s"] / rows["bound"]["samples_per_s"]
         out["ratios"][kind] = ratios
@@ -509,6 +527,20 @@ def fmt_boundary(name: str, summary: dict[str, Any], step_ms: float) -> str:
             else f"| {kind} | | | | |"
         )
     lines.extend(_skipped_rows(summary, 3))
+    return "\n".join(lines)
+
+
+def fmt_cold(name: str, summary: dict[str, Any]) -> str:
+    """Construction to first batch of a fresh process's first loader, the dataset's
+    module (and so torch) already imported by the consumer."""
+    rows = summary["rows"]
+    peers = [row["cold_start_s"] for kind, row in rows.items() if kind in TORCH_LOADERS or kind in PEERS]
+    fastest = min(peers) if peers else None
+    lines = [name, "", "| loader | construction to first batch (s) | vs the fastest peer |", "|---|---:|---:|"]
+    for kind, row in rows.items():
+        ratio = f"{row['cold_start_s'] / fastest:.2f}x" if fastest else ""
+        lines.append(f"| {kind} | {row['cold_start_s']:.3f} | {ratio} |")
+    lines.extend(_skipped_rows(summary, 1))
     return "\n".join(lines)
 
 
@@ -595,7 +627,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--quick", action="store_true", help="fewer repetitions and epochs (about 5 min)")
     parser.add_argument(
-        "--workloads", default="jpeg,tiny,boundary,dispatch", help="comma-separated: jpeg, tiny, boundary, dispatch"
+        "--workloads",
+        default="jpeg,tiny,boundary,dispatch,cold",
+        help="comma-separated: jpeg, tiny, boundary, dispatch, cold",
     )
     parser.add_argument("--reps", type=int, default=None, help="repetitions per loader (default 3; quick 2)")
     parser.add_argument("--epochs", type=int, default=None, help="JPEG epochs per run (default 5; quick 3)")
@@ -640,6 +674,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, samples, batch_size in (("tiny", args.tiny_samples, 256), ("dispatch", args.dispatch_samples, 1)):
         if name in workloads:
             specs[name] = {"workload": name, "samples": samples, "batch_size": batch_size, "epochs": tiny_epochs}
+    if "cold" in workloads:
+        specs["cold"] = {"workload": "cold", "samples": 4096, "batch_size": 64, "epochs": 2}
     if "boundary" in workloads:
         specs["boundary"] = {
             "workload": "boundary",
@@ -716,6 +752,9 @@ def main(argv: list[str] | None = None) -> int:
             print()
     if "boundary" in results["workloads"]:
         print(fmt_boundary("## Epoch boundary", results["workloads"]["boundary"], args.step_ms))
+        print()
+    if "cold" in results["workloads"]:
+        print(fmt_cold("## Cold start, a dataset module that imports torch", results["workloads"]["cold"]))
         print()
     print(f"total {time.perf_counter() - started:.0f} s")
     if args.json:
