@@ -50,6 +50,7 @@ import socket
 import sys
 import threading
 import types
+import warnings
 from multiprocessing import connection, forkserver
 from multiprocessing import resource_tracker as mp_tracker
 from multiprocessing.context import BaseContext
@@ -132,7 +133,11 @@ def _fork_server(server: Any) -> None:
             listener.listen()
             alive_r, alive_w = os.pipe()
             try:
-                pid = os.fork()
+                with warnings.catch_warnings():
+                    # 3.12+ warns about any other OS thread; the only ones allowed here
+                    # (see _can_fork) are pools that prepare themselves for fork.
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    pid = os.fork()
             except BaseException:
                 os.close(alive_r)
                 os.close(alive_w)
