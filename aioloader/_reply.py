@@ -59,7 +59,6 @@ import pickle
 import secrets
 import struct
 import tempfile
-import time
 import traceback
 from collections.abc import Callable, Iterable
 from multiprocessing.reduction import ForkingPickler
@@ -67,8 +66,8 @@ from typing import Any
 
 import numpy as np
 
-from . import _orphan
-from ._shm import PREFIX, SHM_DIR, _parse_name, _pid_alive, host_key
+from . import _orphan, _spill
+from ._shm import PREFIX, SHM_DIR, host_key
 from .errors import RemoteError, SharedMemoryError, add_note
 
 __all__ = [
@@ -86,11 +85,7 @@ __all__ = [
 #: Largest pickled outcome sent through the pipe from a worker that could spill: with
 #: the executor's own wrapping the message stays well under PIPE_BUF.
 INLINE_MAX = 3 * 1024
-ALIGN = 64
-SPILL_TAG = "spill"
 ROOM_CHECK = 1 << 20  # spills this large look for room first (a write to tmpfs is all-or-error)
-SWEEP_GRACE_S = 5.0  # a dead worker's spill file younger than this may still be in flight
-FOREIGN_GRACE_S = 60.0
 
 # (consumer pid, consumer host key, directories a worker may spill into, in order).
 Origin = tuple[int, tuple[str, int, int, int], tuple[str, ...]]
@@ -255,6 +250,20 @@ class _Inline:
         return (_unpack_inline, (self.ok, self.data))
 
 
+class _Ringed:
+    """A reply whose pickle lies in its worker's ring; unpickles (copying it out, which
+    frees its space) as its :class:`Outcome`."""
+
+    __slots__ = ("need", "ok", "path", "pid", "pos")
+
+    def __init__(self, ok: bool, path: str, pos: int, need: int) -> None:
+        self.ok, self.path, self.pos, self.need = ok, path, pos, need
+        self.pid = os.getpid()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_unpack_ringed, (self.ok, self.path, self.pos, self.need, self.pid))
+
+
 class _Spilled:
     """A reply whose pickle lies in a file; unpickles (reading and unlinking the file)
     as its :class:`Outcome`."""
@@ -270,15 +279,15 @@ class _Spilled:
         return (_unpack_spilled, (self.ok, self.path, self.pid))
 
 
-def _pack(ok: bool, value: Any, dirs: tuple[str, ...], consumer: int) -> _Inline | _Spilled:
+def _pack(ok: bool, value: Any, dirs: tuple[str, ...], consumer: int) -> _Inline | _Spilled | _Ringed:
     obj = value if ok else _portable(value)
     buffers: list[pickle.PickleBuffer] = []
     head = _dumps(obj, buffers)
     size = len(head) + sum(b.raw().nbytes for b in buffers)
     if size > INLINE_MAX and dirs:
-        path = _spill(head, buffers, dirs, consumer)
-        if path is not None:
-            return _Spilled(ok, path)
+        spilled = _spill_out(ok, head, buffers, dirs, consumer)
+        if spilled is not None:
+            return spilled
     # Out-of-band buffers come only with outcomes over INLINE_MAX: here they mean that no
     # spill directory had room, and the outcome goes through the pipe as before.
     return _Inline(ok, _dumps(obj, None) if buffers else head)
@@ -290,19 +299,24 @@ _seq = itertools.count()
 _written: collections.deque[str] = collections.deque(maxlen=8)  # removed if the consumer dies
 
 
-def _spill(
-    head: bytes, buffers: list[pickle.PickleBuffer], dirs: tuple[str, ...], consumer: int
-) -> str | None:
-    """Write the pickle and its buffers to a new file in the first of ``dirs`` with
-    room for it; its path, or ``None`` if none has."""
+def _spill_out(
+    ok: bool, head: bytes, buffers: list[pickle.PickleBuffer], dirs: tuple[str, ...], consumer: int
+) -> _Spilled | _Ringed | None:
+    """Put the pickle and its buffers in this worker's ring (:mod:`aioloader._spill`)
+    or else in a new file in the first of ``dirs`` with room for it; ``None`` if none has."""
     global _nonce
     parts: list[Any] = [head, *(b.raw() for b in buffers)]
     table = struct.pack(f"<{len(parts) + 1}q", len(parts), *(memoryview(p).nbytes for p in parts))
-    need = _aligned(len(table)) + sum(_aligned(memoryview(p).nbytes) for p in parts)
+    need = _spill.aligned(len(table)) + sum(_spill.aligned(memoryview(p).nbytes) for p in parts)
     if not _nonce:
         _nonce = secrets.token_hex(4)
         _orphan.on_orphaned(_remove_written)
-    name = f"{PREFIX}{consumer}_{os.getpid()}_{SPILL_TAG}{_nonce}_{next(_seq)}"
+    prefix = f"{PREFIX}{consumer}_{os.getpid()}_{_spill.SPILL_TAG}{_nonce}_"
+    ring = os.path.join(dirs[0], prefix + "ring")
+    pos = _spill.put(ring, [table, *parts], need)
+    if pos is not None:
+        return _Ringed(ok, ring, pos, need)
+    name = f"{prefix}{next(_seq)}"
     for directory in dirs:
         if need >= ROOM_CHECK:  # a smaller write that finds no room fails with ENOSPC
             with contextlib.suppress(OSError):
@@ -311,42 +325,12 @@ def _spill(
                     continue
         path = os.path.join(directory, name)
         try:
-            _write(path, [table, *parts])
+            _spill.write(path, [table, *parts])
         except OSError:
             continue
         _written.append(path)
-        return path
+        return _Spilled(ok, path)
     return None
-
-
-def _aligned(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-def _write(path: str, parts: list[Any]) -> None:
-    """Write ``parts``, each padded to :data:`ALIGN`, with as few system calls as the
-    kernel allows (one ``writev`` as a rule)."""
-    iov: list[memoryview] = []
-    for part in parts:
-        view = memoryview(part).cast("B")
-        iov.append(view)
-        if _aligned(view.nbytes) > view.nbytes:
-            iov.append(memoryview(bytes(_aligned(view.nbytes) - view.nbytes)))
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
-    fd = os.open(path, flags, 0o600)
-    try:
-        while iov:
-            n = os.writev(fd, iov[:1024])  # IOV_MAX
-            while iov and n >= iov[0].nbytes:
-                n -= iov.pop(0).nbytes
-            if n:
-                iov[0] = iov[0][n:]
-    except BaseException:
-        os.close(fd)
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-        raise
-    os.close(fd)
 
 
 def _remove_written() -> None:
@@ -397,49 +381,35 @@ def _unpack_spilled(ok: bool, path: str, pid: int) -> Outcome:
         )
     finally:
         os.close(fd)
+    return _load(ok, view, pid)
+
+
+def _unpack_ringed(ok: bool, path: str, pos: int, need: int, pid: int) -> Outcome:
+    try:
+        data = _spill.copy_out(path, pos, need, pid)
+    except (OSError, ValueError) as exc:
+        return Outcome(
+            False, SharedMemoryError(f"cannot read the result worker pid {pid} left in {path}: {exc}")
+        )
+    return _load(ok, data.data, pid)
+
+
+def _load(ok: bool, view: memoryview, pid: int) -> Outcome:
+    """Unpickle a spilled reply: its table of part sizes, then its parts (64-byte aligned)."""
     try:
         (count,) = struct.unpack_from("<q", view)
         sizes = struct.unpack_from(f"<{count}q", view, 8)
         parts = []
-        off = _aligned(8 * (count + 1))
+        off = _spill.aligned(8 * (count + 1))
         for n in sizes:
             parts.append(view[off : off + n])
-            off += _aligned(n)
+            off += _spill.aligned(n)
         return _outcome(ok, pickle.loads(parts[0], buffers=parts[1:]))
     except BaseException as exc:
         return _unreadable(exc, f" from worker pid {pid}")
 
 
-# ---------------------------------------------------------------------- consumer: sweeping
 def sweep_spills(dead: Iterable[int] = ()) -> int:
-    """Remove spill files nobody will read; returns how many.
-
-    This consumer's files written by a pid in ``dead`` go at once (their generation is
-    retired: nothing reads its replies any more), those of other dead workers once they
-    are a few seconds old. Other consumers' files go when both their processes are
-    gone, they belong to this user and are over a minute old."""
-    gone = set(dead)
-    removed = 0
-    for directory in dict.fromkeys(spill_dirs()):
-        with contextlib.suppress(OSError):
-            for entry in os.scandir(directory):
-                with contextlib.suppress(OSError):
-                    if _stale(entry.name, entry.stat(follow_symlinks=False), gone):
-                        os.unlink(entry.path)
-                        removed += 1
-    return removed
-
-
-def _stale(name: str, st: os.stat_result, gone: set[int]) -> bool:
-    pids = _parse_name(name)
-    if pids is None or not name.split("_")[3].startswith(SPILL_TAG):
-        return False  # not ours, or a shared-memory slab (aioloader._shm's business)
-    consumer, worker = pids
-    age = time.time() - st.st_mtime
-    if consumer == os.getpid():
-        return worker in gone or (age >= SWEEP_GRACE_S and not _pid_alive(worker))
-    return (
-        st.st_uid == os.getuid()
-        and age >= FOREIGN_GRACE_S
-        and not (_pid_alive(consumer) or _pid_alive(worker))
-    )
+    """Remove spill files nobody will read (see :func:`aioloader._spill.sweep`); returns
+    how many."""
+    return _spill.sweep(spill_dirs(), dead)
