@@ -14,8 +14,9 @@ a reply small enough for one atomic write:
   pickled;
 * **up to** :data:`INLINE_MAX` **bytes pickled**: the pickle, inline;
 * **larger**, from a worker of a process pool on the consumer's host (same
-  :func:`~aioloader._shm.host_key`, another pid): the pickle is *spilled* into a file
-  beside the pipe and the reply names it. Out-of-band pickle buffers (numpy arrays)
+  :func:`~aioloader._shm.host_key`, another pid): the pickle is *spilled* beside the
+  pipe, into the worker's ring (up to 256 KiB, :mod:`aioloader._spill`) or else a file,
+  and the reply names where. Out-of-band pickle buffers (numpy arrays)
   are written straight from the arrays, and arrive as views of one buffer;
 * **larger, anywhere else** (a dask worker, or no room to spill): inline, as before.
 

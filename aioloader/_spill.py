@@ -111,6 +111,8 @@ def put(path: str, parts: list[Any], need: int) -> int | None:
     worker's ring, creating it at ``path`` first; the offset, or ``None`` to spill to a
     file instead."""
     global _ring
+    if need > (SIZE - HEADER) // 4:
+        return None  # before the ring exists: one that no reply names would keep its name
     ring = _ring
     if ring is None or ring.pid != os.getpid():
         try:

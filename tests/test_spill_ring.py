@@ -80,3 +80,20 @@ def test_pickled_batches_travel_through_one_ring_per_worker(face: str) -> None:
     assert not [p for p in rings if os.path.exists(p)]  # ...whose name was removed at once
     ours = [n for n in os.listdir("/dev/shm") if n.startswith(f"aioloader_{os.getpid()}_") and "spill" in n]
     assert ours == []  # and no spill file was left
+
+
+class Huge(RangeDataset):
+    """Samples of 320 KiB: each reply is over a quarter of the ring, so it goes to a file."""
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        return np.full(40_000, index, dtype=np.int64)
+
+
+def test_a_worker_whose_replies_are_all_too_large_for_the_ring_leaves_no_name_behind() -> None:
+    """Regression: the ring was created before its first reply was found too large, and
+    kept its name while the worker lived (nothing named it, so no consumer unlinked it)."""
+    # No next-epoch prefetch: nothing is in flight (a spill file of one would be named).
+    with aioloader.DataLoader(Huge(6), 1, num_workers=2, transport="pickle", prefetch_next_epoch=False) as loader:
+        assert [int(b[0, 0]) for b in loader] == list(range(6))
+        assert loader.worker_pids()  # the workers are alive, and still nothing is named
+        assert [n for n in os.listdir("/dev/shm") if n.startswith(f"aioloader_{os.getpid()}_")] == []
