@@ -34,8 +34,8 @@ import struct
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -48,6 +48,7 @@ SIZE = 1 << 20  # bytes a worker reserves for its ring
 HEADER = 64  # the consumer's read position (int64), alone on its cache line
 MAPPED_MAX = 64  # rings a consumer keeps mapped (one per live worker is what it needs)
 _POS = struct.Struct("<q")
+T = TypeVar("T")
 ALIGN = 64  # every part of a spilled reply starts at a multiple of this
 SPILL_TAG = "spill"  # in the names of spill files and rings
 SWEEP_GRACE_S = 5.0  # a dead worker's spill file younger than this may still be in flight
@@ -58,19 +59,14 @@ class _Ring:
     """The worker's side."""
 
     def __init__(self, path: str) -> None:
-        flags = (
-            os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
-        )
-        fd = os.open(path, flags, 0o600)
-        try:
-            os.posix_fallocate(fd, 0, SIZE)  # ENOSPC now, not SIGBUS on a later write
-            self.map = mmap.mmap(fd, SIZE)
-        except BaseException:
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-            raise
-        os.close(fd)
+        def reserve(fd: int) -> mmap.mmap:
+            fallocate = getattr(os, "posix_fallocate", None)  # not on macOS: files, then
+            if fallocate is None:
+                raise OSError("no posix_fallocate here: the ring's space cannot be reserved")
+            fallocate(fd, 0, SIZE)  # ENOSPC now, not SIGBUS on a later write
+            return mmap.mmap(fd, SIZE)
+
+        self.map = _create(path, os.O_RDWR, reserve)
         self.path = path
         self.pid = os.getpid()
         self.head = 0  # where the next reply goes, counted from the ring's creation
@@ -185,21 +181,31 @@ def write(path: str, parts: list[Any]) -> None:
         iov.append(view)
         if aligned(view.nbytes) > view.nbytes:
             iov.append(memoryview(bytes(aligned(view.nbytes) - view.nbytes)))
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
-    fd = os.open(path, flags, 0o600)
-    try:
+
+    def fill(fd: int) -> None:
         while iov:
             n = os.writev(fd, iov[:1024])  # IOV_MAX
             while iov and n >= iov[0].nbytes:
                 n -= iov.pop(0).nbytes
             if n:
                 iov[0] = iov[0][n:]
+
+    _create(path, os.O_WRONLY, fill)
+
+
+def _create(path: str, access: int, fill: Callable[[int], T]) -> T:
+    """Create ``path`` (mode 0600, never one that exists or a link), and return what
+    ``fill`` makes of its descriptor; if ``fill`` fails, the file is removed."""
+    flags = access | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        return fill(fd)
     except BaseException:
-        os.close(fd)
         with contextlib.suppress(OSError):
             os.unlink(path)
         raise
-    os.close(fd)
+    finally:
+        os.close(fd)
 
 
 def sweep(dirs: tuple[str, ...], dead: Iterable[int] = ()) -> int:

@@ -46,10 +46,12 @@ peak RSS (``getrusage``) belong to that loader alone. Throughput and CPU are mea
 epochs 2..N (epoch 1 includes starting the workers; its time to first batch is reported as
 the cold start). Tables print medians of the repetitions (default 3) and ratios.
 
-Usage (the full run takes about 10 minutes on 2 cores, ``--reps 2`` about 7)::
+Usage (with ``--reps 2`` the run took 807 s on 2 cores; the default 3 repetitions take about
+half as long again)::
 
-    python examples/benchmarks/bench_suite.py --quick           # about 5 minutes
+    python examples/benchmarks/bench_suite.py --quick           # fewer epochs and repetitions
     python examples/benchmarks/bench_suite.py --json performance.json --png docs/performance.png
+    python examples/benchmarks/bench_suite.py --redraw performance.json --png docs/performance.png
 """
 
 from __future__ import annotations
@@ -556,6 +558,7 @@ def draw_png(results: dict[str, Any], path: Path) -> None:
         "aioloader-noprefetch": "#9dc3e6",
         "aioloader-p16": "#5499c7",
         "aioloader-auto": "#1b4f72",
+        "aioloader-spawned": "#a9cce3",
         "torch-persistent": "#e08a2c",
         "torch": "#f2c14e",
         "grain": "#3a9e5c",
@@ -590,6 +593,15 @@ def draw_png(results: dict[str, Any], path: Path) -> None:
         if name in wl:
             rows = wl[name]["rows"]
             panels.append((title, {k: v["batches_per_s"] for k, v in rows.items() if k != "bound"}, False))
+    if "cold" in wl:
+        rows = wl["cold"]["rows"]
+        panels.append(
+            (
+                "Cold start, dataset module imports torch:\nconstruction to first batch, s (log)",
+                {k: v["cold_start_s"] for k, v in rows.items()},
+                True,
+            )
+        )
     if not panels:
         return
     ncols = 2 if len(panels) == 4 else min(3, len(panels))
@@ -651,9 +663,13 @@ def main(argv: list[str] | None = None) -> int:
         "--png", type=Path, default=None, help="draw the chart here (e.g. docs/performance.png)"
     )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--redraw", type=Path, default=None, help="only draw --png from this --json file")
     args = parser.parse_args(argv)
     if args.child is not None:
         return child_main(json.loads(args.child))
+    if args.redraw is not None:
+        draw_png(json.loads(args.redraw.read_text()), args.png or Path("performance.png"))
+        return 0
 
     require_torch()
     from aioloader._formats.synthetic import default_cache, make_synthetic_jpegs
