@@ -215,16 +215,18 @@ def _fd_count(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
-def _shm_maps(pid: int) -> int:
+def _shm_maps(pid: int, rings: bool = False) -> int:
+    """Mappings of our slabs in ``pid`` (with ``rings``: of spill rings instead, one
+    per worker that spilled a pickled batch; see ``aioloader/_spill.py``)."""
     with open(f"/proc/{pid}/maps") as f:
-        return sum(1 for line in f if f"/{_shm.PREFIX}" in line)
+        return sum(1 for line in f if f"/{_shm.PREFIX}" in line and ("_ring" in line) == rings)
 
 
 def test_resources_stay_flat_over_many_epochs(collect: Callable[..., list[Any]]) -> None:
     prefetch, workers_n = 4, 2
     cap = workers_n * (2 * prefetch + 2)  # slabs: max_slabs per worker arena
     with loader(D.ImageDataset(8 * 8), prefetch=prefetch, num_workers=workers_n) as dl:
-        fds, maps = [], []
+        fds, maps, rings = [], [], []
         for epoch in range(30):
             batches = collect(dl)
             if epoch == 0:
@@ -238,12 +240,15 @@ def test_resources_stay_flat_over_many_epochs(collect: Callable[..., list[Any]])
             wait_until(lambda: not mine(), 10.0, "in-flight slabs to reach the consumer")
             fds.append((_fd_count(os.getpid()), *(_fd_count(w) for w in workers)))
             maps.append((_shm_maps(os.getpid()), _shm.mapped_slabs(), *(_shm_maps(w) for w in workers)))
+            rings.append((_shm_maps(os.getpid(), True), *(_shm_maps(w, True) for w in workers)))
         assert dl.worker_pids() == workers
         # +1 at most: a sample may catch a slab being created or attached (fd open for
         # microseconds); any per-batch or per-slab leak would climb well past that.
         for col in zip(*fds[3:], strict=True):
             assert max(col) <= min(col) + 1, f"file descriptors grew after warm-up: {fds}"
         assert all(m <= cap for row in maps for m in row), maps
+        # At most one spill ring per worker, in the consumer and in its worker.
+        assert all(r[0] <= workers_n and max(r[1:]) <= 1 for r in rings), rings
 
 
 # ---------------------------------------------------------------------- ownership cases
