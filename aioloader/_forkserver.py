@@ -74,25 +74,23 @@ def server_pid() -> int | None:
     return pid
 
 
-def prepare(ctx: BaseContext) -> str:
-    """Called where an owned pool is created, before it starts: make sure the forkserver
-    that ``ctx`` will use preloads aioloader's worker modules, and fork it from this
-    process when that is safe. Returns how it runs: ``"forked"``, ``"spawned"`` (already
-    running) or ``"to spawn"``."""
+def prepare(ctx: BaseContext) -> None:
+    """Called where an owned pool is created, before it starts: if the forkserver that
+    ``ctx`` uses is not running yet, fork it from this process when that is safe, else
+    have the one multiprocessing will spawn preload aioloader's worker modules."""
     if ctx.get_start_method() != "forkserver":
-        return "n/a"
+        return
     with _lock:
-        server: Any = forkserver._forkserver
         if server_pid() is not None:
-            return "spawned" if not getattr(server, "_aioloader_forked", False) else "forked"
+            return
+        server: Any = forkserver._forkserver
         if _can_fork(server):
             with contextlib.suppress(OSError):
                 _fork_server(server)
-                return "forked"
+                return
         current = list(getattr(server, "_preload_modules", ["__main__"]))
         if "aioloader._forkserver_preload" not in current:
             ctx.set_forkserver_preload([*current, "aioloader._forkserver_preload"])
-        return "to spawn"
 
 
 def _can_fork(server: Any) -> bool:
@@ -156,7 +154,6 @@ def _fork_server(server: Any) -> None:
         server._forkserver_address = address
         server._forkserver_alive_fd = alive_w
         server._forkserver_pid = pid
-        server._aioloader_forked = True
 
 
 def _serve(listener_fd: int, alive_r: int) -> None:  # pragma: no cover - in the forked server
@@ -204,7 +201,6 @@ def after_fork_in_child() -> None:
     if getattr(server, "_forkserver_pid", None) is not None:
         alive = server._forkserver_alive_fd
         server._forkserver_pid = server._forkserver_address = server._forkserver_alive_fd = None
-        server._aioloader_forked = False
         server._lock = threading.Lock()
         if alive is not None:
             with contextlib.suppress(OSError):

@@ -112,7 +112,7 @@ class Generation:
         method = ctx.get_start_method()
         if method != "fork":
             _byvalue.drop_fake_main_file()
-        _forkserver.prepare(ctx)
+        _forkserver.prepare(ctx)  # again: a forked child rebuilding a pool has no forkserver
         _retire_at_child_exit()
         with tracker_safe():
             table = ctx.RawArray("q", Slots.WIDTH * n)

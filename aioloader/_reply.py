@@ -295,7 +295,7 @@ def _pack(ok: bool, value: Any, dirs: tuple[str, ...], consumer: int) -> _Inline
 
 
 # ----------------------------------------------------------------------- worker: spilling
-_nonce = ""
+_prefixes: dict[tuple[int, int], str] = {}  # (consumer, worker pid) -> name prefix
 _seq = itertools.count()
 _written: collections.deque[str] = collections.deque(maxlen=8)  # removed if the consumer dies
 
@@ -305,18 +305,16 @@ def _spill_out(
 ) -> _Spilled | _Ringed | None:
     """Put the pickle and its buffers in this worker's ring (:mod:`aioloader._spill`)
     or else in a new file in the first of ``dirs`` with room for it; ``None`` if none has."""
-    global _nonce
     parts: list[Any] = [head, *(b.raw() for b in buffers)]
-    table = struct.pack(f"<{len(parts) + 1}q", len(parts), *(memoryview(p).nbytes for p in parts))
-    need = _spill.aligned(len(table)) + sum(_spill.aligned(memoryview(p).nbytes) for p in parts)
-    if not _nonce:
-        _nonce = secrets.token_hex(4)
-        _orphan.on_orphaned(_remove_written)
-    prefix = f"{PREFIX}{consumer}_{os.getpid()}_{_spill.SPILL_TAG}{_nonce}_"
-    ring = os.path.join(dirs[0], prefix + "ring")
-    pos = _spill.put(ring, [table, *parts], need)
-    if pos is not None:
-        return _Ringed(ok, ring, pos, need)
+    sizes = [memoryview(p).nbytes for p in parts]
+    table = struct.pack(f"<{len(parts) + 1}q", len(parts), *sizes)
+    parts.insert(0, table)
+    sizes.insert(0, len(table))
+    need = sum(map(_spill.aligned, sizes))
+    prefix = _name_prefix(consumer)
+    ringed = _spill.put(dirs[0], prefix, parts, sizes, need)
+    if ringed is not None:
+        return _Ringed(ok, *ringed, need)
     name = f"{prefix}{next(_seq)}"
     for directory in dirs:
         if need >= ROOM_CHECK:  # a smaller write that finds no room fails with ENOSPC
@@ -326,12 +324,25 @@ def _spill_out(
                     continue
         path = os.path.join(directory, name)
         try:
-            _spill.write(path, [table, *parts])
+            _spill.write(path, parts)
         except OSError:
             continue
         _written.append(path)
         return _Spilled(ok, path)
     return None
+
+
+def _name_prefix(consumer: int) -> str:
+    """``<prefix><consumer>_<worker>_spill<nonce>_``: what this worker's spill files and
+    ring are named after (made once per worker and consumer)."""
+    key = (consumer, os.getpid())
+    prefix = _prefixes.get(key)
+    if prefix is None:
+        if not _prefixes:
+            _orphan.on_orphaned(_remove_written)
+        nonce = secrets.token_hex(4)
+        prefix = _prefixes[key] = f"{PREFIX}{consumer}_{os.getpid()}_{_spill.SPILL_TAG}{nonce}_"
+    return prefix
 
 
 def _remove_written() -> None:

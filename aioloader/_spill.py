@@ -46,6 +46,7 @@ __all__ = ["ALIGN", "SIZE", "SPILL_TAG", "aligned", "copy_out", "drop", "put", "
 
 SIZE = 1 << 20  # bytes a worker reserves for its ring
 HEADER = 64  # the consumer's read position (int64), alone on its cache line
+REPLY_MAX = (SIZE - HEADER) // 4  # larger replies go to files, leaving the ring to small ones
 MAPPED_MAX = 64  # rings a consumer keeps mapped (one per live worker is what it needs)
 _POS = struct.Struct("<q")
 T = TypeVar("T")
@@ -73,7 +74,7 @@ class _Ring:
 
     def put(self, parts: list[Any], sizes: list[int], need: int) -> int | None:
         cap = SIZE - HEADER
-        if need > cap // 4:
+        if need > REPLY_MAX:
             return None
         (consumed,) = _POS.unpack_from(self.map, 0)
         pos = self.head
@@ -84,9 +85,9 @@ class _Ring:
         if pos + need - consumed > cap:
             return None  # the consumer has not read far enough yet
         at = HEADER + off
-        for part, size, padded in zip(parts, sizes, _padded(sizes), strict=True):
+        for part, size in zip(parts, sizes, strict=True):
             self.map[at : at + size] = memoryview(part).cast("B")
-            at += padded
+            at += aligned(size)
         self.head = pos + need
         return pos
 
@@ -98,31 +99,23 @@ def aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def _padded(sizes: list[int]) -> list[int]:
-    return [aligned(n) for n in sizes]
-
-
-def put(path: str, parts: list[Any], need: int) -> int | None:
-    """In a worker: write ``parts`` (each padded to 64 bytes, ``need`` in all) into this
-    worker's ring, creating it at ``path`` first; the offset, or ``None`` to spill to a
-    file instead."""
+def put(directory: str, prefix: str, parts: list[Any], sizes: list[int], need: int) -> tuple[str, int] | None:
+    """In a worker: write ``parts`` (of ``sizes`` bytes, each padded to :data:`ALIGN`,
+    ``need`` in all) into this worker's ring, created in ``directory`` as
+    ``<prefix>ring`` on first use; the ring's path and the reply's offset, or ``None``
+    to spill to a file instead."""
     global _ring
-    if need > (SIZE - HEADER) // 4:
+    if need > REPLY_MAX:
         return None  # before the ring exists: one that no reply names would keep its name
     ring = _ring
     if ring is None or ring.pid != os.getpid():
         try:
-            ring = _ring = _Ring(path)
+            ring = _ring = _Ring(os.path.join(directory, prefix + "ring"))
         except OSError:
             return None
         _orphan.on_orphaned(_remove)
-    sizes = [memoryview(p).nbytes for p in parts]
-    return ring.put(parts, sizes, need)
-
-
-def ring_path() -> str | None:
-    """In a worker: its ring's path, once it has one."""
-    return _ring.path if _ring is not None and _ring.pid == os.getpid() else None
+    pos = ring.put(parts, sizes, need)
+    return None if pos is None else (ring.path, pos)
 
 
 def _remove() -> None:
