@@ -340,6 +340,11 @@ def test_consumer_killed(tmp_path: Path) -> None:
         assert blocked in helpers
         wait_until(lambda: not mine(proc.pid), 20.0, "the orphaned workers to unlink their slabs")
         wait_until(lambda: not _alive(blocked), 20.0, "the orphaned worker to exit")
+        # Every other orphan (the other worker, the forkserver) exits on its own too. Wait
+        # for that before the last check: the other worker may still create a slab after
+        # the check above, and it unlinks it before it exits, unless it is killed first.
+        others = {p for p in helpers if "resource_tracker" not in _cmdline(p)}
+        wait_until(lambda: not any(_alive(p) for p in others), 20.0, "every orphan to exit")
     finally:
         if proc.poll() is None:
             proc.kill()
