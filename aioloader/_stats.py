@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -211,6 +212,9 @@ class Recorder:
     settings: tuple[str, ...] = ()
     tasks: int = 0
     group: Any = None  # the grouping policy (aioloader._engine.group.GroupPolicy), if any
+    # A unit source that learns what its units cost (the Batcher's admission control):
+    # called with each finished task's unit and the worker time it took, in ns.
+    on_task: Callable[[Any, int], None] | None = None
     prefetch: int = 0  # the window a run starts with
 
     def epoch_started(self, epoch: int) -> _Epoch:
@@ -231,6 +235,8 @@ class Recorder:
         self.tasks += 1
         if self.group is not None:  # the grouping policy learns what batches cost
             self.group.observe(getattr(named, "batches", 1), end_ns - start_ns)
+        if self.on_task is not None:
+            self.on_task(named, end_ns - start_ns)
         self.workers_seen.add(pid)
         self.latencies.append(now - submit_ns)
         if self.tracer is not None:

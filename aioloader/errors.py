@@ -14,8 +14,8 @@ The tree::
     ├── WorkerCrashedError       (also RuntimeError)  a batch kept killing its worker
     ├── PoolBrokenError          (also RuntimeError)  an executor we may not rebuild broke
     ├── LoaderTimeout            (also TimeoutError)  a batch ran longer than ``timeout``
-    ├── DeadlineExceeded         (also TimeoutError)  a Batcher request's deadline passed before dispatch
-    ├── Overloaded               (also RuntimeError)  a Batcher's queue is full (``max_pending``)
+    ├── DeadlineExceeded         (also TimeoutError)  a Batcher request's deadline passed
+    ├── Overloaded               (also RuntimeError)  a Batcher refused a request (full, or too late)
     ├── TooManySkippedError      (also RuntimeError)  ``on_error="skip"`` passed ``max_skipped``
     ├── CollateError             (also ValueError)    samples that do not stack together
     ├── DatasetPickleError       (also TypeError)     the dataset (or collate_fn...) won't pickle
@@ -134,17 +134,26 @@ class LoaderTimeout(AioLoaderError, TimeoutError):
 
 
 class DeadlineExceeded(AioLoaderError, TimeoutError):
-    """A :class:`~aioloader.Batcher` request's ``deadline`` passed before a worker took it;
-    no worker time was spent on it. Attribute ``deadline`` (seconds, as given)."""
+    """A :class:`~aioloader.Batcher` request was not answered by its ``deadline``.
+
+    Attributes: ``deadline`` (seconds, as given) and ``dispatched``: False when it never
+    reached a worker (no worker time spent), True when a worker still had it (its result
+    is dropped when it arrives)."""
 
     deadline: float
+    dispatched: bool
 
 
 class Overloaded(AioLoaderError, RuntimeError):
-    """A :class:`~aioloader.Batcher` already holds ``max_pending`` waiting requests: answer
-    "busy" (HTTP 503) rather than queue without bound. Attribute ``max_pending``."""
+    """A :class:`~aioloader.Batcher` refused a request at ``submit()``: answer "busy" (HTTP
+    503) rather than queue without bound or answer late.
+
+    Either ``max_pending`` requests already wait, or the request has a ``deadline`` and
+    the Batcher estimates it would be answered after it. Attributes ``max_pending`` and
+    ``estimate`` (the estimated seconds to an answer; None for a full queue)."""
 
     max_pending: int
+    estimate: float | None
 
 
 class TooManySkippedError(AioLoaderError, RuntimeError):

@@ -56,9 +56,14 @@ class BatcherStats:
     failed: int
     """Requests answered with their ``fn``'s exception (or their micro-batch's error)."""
     rejected: int
-    """``submit()`` calls refused with ``Overloaded`` (the queue held ``max_pending``)."""
+    """``submit()`` calls refused with ``Overloaded``: the queue held ``max_pending``, or
+    the estimated answer came after the request's ``deadline`` (``rejected_late``)."""
+    rejected_late: int
+    """Of ``rejected``: refused because their estimated answer came after their deadline."""
     expired: int
     """Requests whose ``deadline`` passed before dispatch (no worker time used)."""
+    expired_after_dispatch: int
+    """Requests still at a worker at their ``deadline`` (failed then, result dropped)."""
     cancelled_before_dispatch: int
     """Requests whose caller went away while they waited (no worker time used)."""
     cancelled_after_dispatch: int
@@ -82,7 +87,8 @@ class BatcherStats:
         sizes = ", ".join(f"{k}x{v}" for k, v in sorted(self.batch_sizes.items())) or "-"
         return (
             f"Batcher: {self.submitted} submitted, {self.completed} completed, {self.failed} failed, "
-            f"{self.rejected} rejected, {self.expired} expired, cancelled {self.cancelled_before_dispatch} "
+            f"{self.rejected} rejected ({self.rejected_late} for their deadline), {self.expired} expired "
+            f"(+{self.expired_after_dispatch} in flight), cancelled {self.cancelled_before_dispatch} "
             f"queued / {self.cancelled_after_dispatch} running; now {self.waiting} waiting, "
             f"{self.in_flight} in flight\n"
             f"  queue wait ms p50/p99/max: {fmt_ms(*self.queue_wait_s)}\n"
@@ -204,6 +210,8 @@ class Batcher(LoaderBase, Generic[Batch]):
             run = Run(self._run_config(), queue)
             concurrency = self._pool.concurrency
             queue.idle = lambda: len(run.units) < concurrency
+            queue.concurrency = concurrency
+            self._recorder.on_task = queue.observe
             self._runs.add(run)
             run.start()
             self._deliverer = loop.create_task(_deliver(run, queue, self._recorder), name="aioloader-batcher")
@@ -321,7 +329,9 @@ class Batcher(LoaderBase, Generic[Batch]):
             completed=c.completed,
             failed=c.failed,
             rejected=c.rejected,
+            rejected_late=c.rejected_late,
             expired=c.expired,
+            expired_after_dispatch=c.expired_dispatched,
             cancelled_before_dispatch=c.cancelled_queued,
             cancelled_after_dispatch=c.cancelled_dispatched,
             waiting=queue.waiting if queue is not None else 0,

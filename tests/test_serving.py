@@ -13,6 +13,7 @@ import pytest
 
 import aioloader
 from aioloader import Batcher, DeadlineExceeded, LoaderClosedError, Overloaded
+from aioloader._engine.requests import RequestQueue, ServeCounters
 
 from . import _serve_helpers as H
 
@@ -100,6 +101,67 @@ async def test_deadline_passes_before_dispatch_without_a_worker() -> None:
         await first
         st = b.stats()
     assert "late" not in H.calls and st.expired == 1
+
+
+@pytest.mark.asyncio
+async def test_deadline_also_bounds_a_dispatched_request() -> None:
+    async with Batcher(H.held, batch_size=1, max_latency=0, prefetch=1) as b:
+        with pytest.raises(DeadlineExceeded, match="still at a worker") as info:
+            await b.submit("hold", deadline=0.05)  # fn runs until the test releases it
+        assert info.value.dispatched is True and info.value.deadline == 0.05
+        assert H.entered.is_set()
+        H.hold.set()
+        assert await b.submit("next") == "next"  # the late result was dropped on arrival
+        st = b.stats()
+    assert (st.expired, st.expired_after_dispatch, st.completed) == (0, 1, 1)
+
+
+@pytest.mark.asyncio
+async def test_a_request_that_would_answer_past_its_deadline_is_refused_at_once() -> None:
+    async with Batcher(H.held, batch_size=1, max_latency=0, prefetch=1) as b:
+        assert await b.submit("learn") == "learn"  # one answer: the Batcher knows a service time
+        first = asyncio.ensure_future(b.submit("hold"))
+        await _wait_entered()
+        with pytest.raises(Overloaded, match=r"past its deadline of 0\.0 s") as info:
+            await b.submit("late", deadline=0.0)  # work is ahead of it: no estimate fits 0 s
+        assert info.value.estimate is not None and info.value.estimate > 0
+        roomy = asyncio.ensure_future(b.submit("roomy", deadline=60.0))
+        await asyncio.sleep(0)  # (one loop turn: it is admitted and queued, not refused)
+        assert b.stats().waiting == 1
+        H.hold.set()
+        assert await asyncio.gather(first, roomy) == ["hold", "roomy"]
+        st = b.stats()
+    assert (st.rejected, st.rejected_late) == (1, 1) and "late" not in H.calls
+
+
+@pytest.mark.asyncio
+async def test_admission_estimate_and_dispatch_time_expiry() -> None:
+    """The queue's model, with its learnt costs set by hand: the work ahead counts
+    requests at the same priority or higher; a request with less time left than one item
+    takes is expired when the queue is cut, not sent to a worker."""
+    q = RequestQueue(None, batch_size=4, max_latency=0, max_pending=100, counters=ServeCounters())  # type: ignore[arg-type]
+    q.concurrency = 2
+    assert q.estimate(0) is None  # nothing learnt yet: everything is admitted
+    q.item_s, q._service_s, q._drain_s = 0.010, 0.030, 0.005
+    futures = [await q.put(i, 0, None, False) for i in range(6)] + [
+        await q.put(i, 5, None, False) for i in range(2)
+    ]
+    assert q.estimate(0) == pytest.approx((8 * 0.005 + 0.030, 8))
+    assert q.estimate(5) == pytest.approx((2 * 0.005 + 0.030, 2))
+    assert q.estimate(9) == pytest.approx((0.030, 0))
+    with pytest.raises(Overloaded) as info:
+        await q.put("late", 0, 0.05, False)  # about 70 ms of work ahead of it
+    assert info.value.estimate == pytest.approx(0.070)
+    soon = await q.put("soon", 5, 0.05, False)  # 40 ms at its priority: admitted
+    q.item_s = 10.0  # now one item takes longer than any deadline left
+    unit = await q.next_unit()
+    assert unit is not None and [r.item for r in unit.requests] == [0, 1, 0, 1]  # priority 5 first
+    with pytest.raises(DeadlineExceeded, match="less time left than one item") as late:
+        await soon
+    assert late.value.dispatched is False
+    assert (q.counters.rejected_late, q.counters.expired) == (1, 1)
+    await q.aclose()
+    assert all(f.done() for f in futures)
 
 
 @pytest.mark.asyncio
@@ -191,6 +253,9 @@ def test_bad_arguments_name_the_parameter() -> None:
 
 
 def test_new_errors_pickle_whole() -> None:
-    for exc in (Overloaded("full", max_pending=3), DeadlineExceeded("late", deadline=0.5)):
+    for exc in (
+        Overloaded("full", max_pending=3, estimate=None),
+        DeadlineExceeded("late", deadline=0.5, dispatched=False),
+    ):
         back = pickle.loads(pickle.dumps(exc))
         assert type(back) is type(exc) and str(back) == str(exc) and back.__dict__ == exc.__dict__

@@ -10,6 +10,19 @@ helping of batching delay).
 A request leaves the heap lazily: cancelled by its caller, or expired at its deadline,
 it is only marked (and counted), and skipped when the queue is cut. So neither costs a
 worker anything. Once dispatched, a cancelled request's result is dropped on arrival.
+
+Deadlines are end to end: a request with ``deadline=`` is answered by then, with its
+result or with ``DeadlineExceeded``. Three checks keep the second rare and cheap:
+
+- *admission*: the queue learns what one item costs a worker (from each finished
+  micro-batch's worker time) and, at ``submit()``, estimates when a new request would be
+  answered from the work ahead of it (requests waiting at its priority or higher, and
+  those in flight). A request whose estimate passes its deadline is refused at once with
+  ``Overloaded``: the caller can answer 503 or try elsewhere while there is still time;
+- *dispatch*: a request with less time left than one item takes is expired there, not
+  sent to a worker;
+- *in flight*: a request still at a worker at its deadline fails then; the worker's
+  result for it is dropped on arrival.
 """
 
 from __future__ import annotations
@@ -18,6 +31,7 @@ import asyncio
 import functools
 import heapq
 import itertools
+import time
 from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
@@ -33,15 +47,31 @@ __all__ = ["Request", "RequestQueue", "ServeCounters", "ServeUnit"]
 _QUEUED, _DISPATCHED, _DONE = 0, 1, 2
 
 
-class Request:
-    __slots__ = ("arrived", "deadline", "dispatched", "future", "item", "rid", "state", "timer")
+# How fast the per-item cost follows a change (weight of the newest micro-batch).
+_ALPHA = 0.2
+# The estimate's correction: the mean of actual / estimated time (weight of the newest
+# answer), and a high quantile of what is still missed after scaling by it, over the last
+# answers (recomputed every _TAIL_EVERY answers).
+_GAIN = 1 / 8
+_TAIL_Q, _TAIL_N, _TAIL_EVERY = 99.9, 2048, 64
 
-    def __init__(self, rid: int, item: Any, future: asyncio.Future[Any], arrived: float) -> None:
+
+class Request:
+    __slots__ = (
+        "arrived", "deadline", "dispatched", "due", "estimate", "future", "item", "priority", "rid", "state", "timer",
+    )  # fmt: skip
+
+    def __init__(
+        self, rid: int, item: Any, future: asyncio.Future[Any], arrived: float, priority: int
+    ) -> None:
         self.rid = rid
         self.item = item
         self.future = future
         self.arrived = arrived
-        self.deadline: float | None = None
+        self.priority = priority
+        self.deadline: float | None = None  # seconds, as given to submit()
+        self.due: float | None = None  # the deadline on the loop's clock
+        self.estimate: float | None = None  # seconds to its answer, as estimated at admission
         self.timer: asyncio.TimerHandle | None = None
         self.dispatched = 0.0
         self.state = _QUEUED
@@ -52,6 +82,7 @@ class ServeCounters:
 
     def __init__(self) -> None:
         self.submitted = self.completed = self.failed = self.rejected = self.expired = 0
+        self.rejected_late = self.expired_dispatched = 0
         self.cancelled_queued = self.cancelled_dispatched = 0
         self.queue_wait: deque[float] = deque(maxlen=10_000)
         self.service: deque[float] = deque(maxlen=10_000)
@@ -108,15 +139,29 @@ class RequestQueue:
         self._arrival: asyncio.Future[None] | None = None
         self._room: deque[asyncio.Future[None]] = deque()  # blocked submitters, first come first served
         self.idle: Callable[[], bool] = lambda: False  # is a worker free? (set by the Batcher)
+        self.concurrency = 1  # tasks the pool runs at once (set by the Batcher)
+        self.item_s: float | None = None  # worker seconds per item (learnt; None until measured)
+        self._service_s: float | None = None  # dispatch -> answer of a micro-batch (mean)
+        self._drain_s: float | None = None  # seconds between answered items, pool saturated
+        self._last_answer: float | None = None  # when the last micro-batch was answered, if
+        # requests were waiting then (otherwise the gap to the next says nothing of the pool)
+        # The correction of estimates (learnt): a ratio, and a tail added to the scaled estimate.
+        self._ratio, self._tail = 1.0, 0.0
+        self._misses: deque[float] = deque(maxlen=_TAIL_N)
+        self._answers = 0
+        self._by_priority: Counter[int] = Counter()  # live requests in the heap, by priority
 
     # ------------------------------------------------------------------ intake
     async def put(self, item: Any, priority: int, deadline: float | None, block: bool) -> asyncio.Future[Any]:
+        loop = self.loop
+        called = loop.time()
         while self.waiting >= self.max_pending and not self.closed:
             if not block:
                 self.counters.rejected += 1
                 raise Overloaded(
                     f"the Batcher already holds max_pending={self.max_pending} waiting requests",
                     max_pending=self.max_pending,
+                    estimate=None,
                 )
             room = self.loop.create_future()
             self._room.append(room)
@@ -127,31 +172,119 @@ class RequestQueue:
                     self._room.remove(room)
         if self.closed:
             raise LoaderClosedError("the Batcher was closed")
-        loop = self.loop
-        req = Request(next(self._ids), item, loop.create_future(), loop.time())
+        estimate = self._admit(priority, deadline) if deadline is not None and not block else None
+        req = Request(next(self._ids), item, loop.create_future(), loop.time(), priority)
         if deadline is not None:
-            req.deadline = deadline
-            req.timer = loop.call_at(req.arrived + deadline, self._expire, req)
+            req.deadline, req.due, req.estimate = deadline, called + deadline, estimate
+            req.timer = loop.call_at(req.due, self._expire, req)
         req.future.add_done_callback(functools.partial(self._settled, req))
         heapq.heappush(self.heap, (-priority, req.rid, req))
         self.waiting += 1
+        self._by_priority[priority] += 1
         self.counters.submitted += 1
         self._wake()
         return req.future
+
+    def estimate(self, priority: int) -> tuple[float, int] | None:
+        """(seconds until a request of ``priority`` submitted now would be answered, the
+        requests waiting ahead of it), or None before any micro-batch was answered.
+
+        The requests ahead (waiting at this priority or higher) leave the queue at the
+        rate the pool answers requests while it is saturated (measured between answers
+        while requests waited; before that, the workers' busy time per item shared by
+        the workers); then the request's own micro-batch takes the measured time from
+        dispatch to answer."""
+        service = self._service_s
+        if service is None or self.item_s is None:
+            return None
+        per = self._drain_s if self._drain_s is not None else self.item_s / self.concurrency
+        ahead = sum(n for p, n in self._by_priority.items() if p >= priority)
+        return ahead * per + service, ahead
+
+    def _learn(self, unit: ServeUnit, now: float) -> None:
+        """A micro-batch was answered: learn the service time and the pool's drain rate."""
+        clock = time.perf_counter()
+        service = now - unit.requests[0].dispatched
+        self._service_s = (
+            service if self._service_s is None else (1 - _ALPHA) * self._service_s + _ALPHA * service
+        )
+        if self._last_answer is not None:
+            per = (clock - self._last_answer) / unit.size
+            self._drain_s = per if self._drain_s is None else (1 - _ALPHA) * self._drain_s + _ALPHA * per
+        self._last_answer = clock if self.waiting else None
+
+    def _calibrate(self, actual: float, estimate: float) -> None:
+        """An admitted request was answered ``actual`` seconds after ``submit()``: correct
+        later estimates by how far off its own was (loop, pipe and pickling overheads the
+        model leaves out, a pool slower than its workers' busy time says)."""
+        misses = self._misses
+        misses.append(actual - self._ratio * estimate)
+        self._ratio += _GAIN * (actual / estimate - self._ratio)
+        self._answers += 1
+        # (often at first, while a few answers already say much more than none)
+        if self._answers % (_TAIL_EVERY if self._answers > 4 * _TAIL_EVERY else 8) == 0:
+            self._tail = max(0.0, float(np.percentile(np.fromiter(misses, np.float64, len(misses)), _TAIL_Q)))
+
+    def _admit(self, priority: int, deadline: float) -> float | None:
+        """The estimated seconds to an answer, or raise ``Overloaded`` if that passes
+        ``deadline``. The raw estimate is corrected by what past estimates missed by: scaled
+        by their mean actual/estimated ratio, plus the 99.9th percentile of what the
+        scaled estimates still missed (stalls of the loop or of the machine)."""
+        est = self.estimate(priority)
+        if est is None or (not self.waiting and not self.outstanding):
+            return est[0] if est is not None else None  # (nothing ahead: it goes at once)
+        expected = est[0] * max(1.0, self._ratio) + self._tail
+        if expected > deadline:
+            self.counters.rejected += 1
+            self.counters.rejected_late += 1
+            raise Overloaded(
+                f"the Batcher would answer this request in about {expected * 1e3:.1f} ms "
+                f"({est[1]} requests ahead of it), past its deadline of {deadline} s",
+                max_pending=self.max_pending,
+                estimate=expected,
+            )
+        return est[0]
+
+    def observe(self, unit: Any, busy_ns: int) -> None:
+        """A micro-batch kept its worker busy ``busy_ns``: learn the cost of one item."""
+        size = getattr(unit, "size", 0)
+        if size:
+            t = busy_ns / 1e9 / size
+            self.item_s = t if self.item_s is None else (1 - _ALPHA) * self.item_s + _ALPHA * t
+
+    def _left(self, req: Request) -> None:
+        """``req`` left the heap (dispatched, cancelled or expired there)."""
+        self.waiting -= 1
+        left = self._by_priority[req.priority] - 1
+        if left:
+            self._by_priority[req.priority] = left
+        else:
+            del self._by_priority[req.priority]
 
     def _wake(self) -> None:
         if self._arrival is not None and not self._arrival.done():
             self._arrival.set_result(None)
 
-    def _expire(self, req: Request) -> None:
-        if req.state == _QUEUED and not req.future.done():
+    def _expire(self, req: Request, why: str = "") -> None:
+        if req.future.done():
+            return
+        if req.state == _QUEUED:
             self.counters.expired += 1
-            req.future.set_exception(
-                DeadlineExceeded(
-                    f"request {req.rid} waited past its deadline of {req.deadline} s before a worker took it",
-                    deadline=req.deadline,
-                )
+            why = why or "waited past its deadline before a worker took it"
+        elif req.state == _DISPATCHED:
+            self.counters.expired_dispatched += 1
+            why = "was still at a worker at its deadline (its result will be dropped)"
+            if req.estimate is not None and req.deadline is not None:
+                self._calibrate(req.deadline, req.estimate)  # (it would have taken longer)
+        else:
+            return
+        req.future.set_exception(
+            DeadlineExceeded(
+                f"request {req.rid} {why}: deadline of {req.deadline} s",
+                deadline=req.deadline,
+                dispatched=req.state == _DISPATCHED,
             )
+        )
 
     def _settled(self, req: Request, _future: asyncio.Future[Any]) -> None:
         """The request's future is done: resolved by us, or cancelled/expired before."""
@@ -159,7 +292,7 @@ class RequestQueue:
             req.timer.cancel()
         if req.state == _QUEUED:  # cancelled by its caller, or expired: leaves the heap lazily
             req.state = _DONE
-            self.waiting -= 1
+            self._left(req)
             if req.future.cancelled():
                 self.counters.cancelled_queued += 1
             self._make_room()
@@ -180,8 +313,12 @@ class RequestQueue:
             req = heapq.heappop(heap)[2]
             # A future cancelled or expired a moment ago is skipped even before its done
             # callback (which does the accounting) has run.
-            if req.state == _QUEUED and not req.future.done():
-                return req
+            if req.state != _QUEUED or req.future.done():
+                continue
+            if req.due is not None and self.item_s is not None and self.loop.time() + self.item_s > req.due:
+                self._expire(req, "had less time left than one item takes a worker")
+                continue  # (its done callback does the accounting)
+            return req
         return None
 
     async def next_unit(self) -> ServeUnit | None:
@@ -214,10 +351,8 @@ class RequestQueue:
         for req in batch:
             req.state = _DISPATCHED
             req.dispatched = now
+            self._left(req)
             self.counters.queue_wait.append(now - req.arrived)
-            if req.timer is not None:
-                req.timer.cancel()
-        self.waiting -= len(batch)
         self.outstanding.update(batch)
         self.counters.sizes[len(batch)] += 1
         self._make_room()
@@ -229,12 +364,15 @@ class RequestQueue:
 
         self._wake()  # a worker is free: a micro-batch being filled may go now
         now = self.loop.time()
+        self._learn(unit, now)
         for k, req in enumerate(unit.requests):
             self.outstanding.discard(req)
             state, req.state = req.state, _DONE
             if req.future.done() or state != _DISPATCHED:
                 continue
             self.counters.service.append(now - req.dispatched)
+            if req.estimate is not None and req.due is not None and req.deadline is not None:
+                self._calibrate(now - (req.due - req.deadline), req.estimate)
             out: Any = outcomes[k] if outcomes is not None else None
             if error is None and type(out) is Failed:
                 error_k: BaseException | None = out.exc
