@@ -11,11 +11,15 @@ failed), timeouts, statistics and traces. What is particular to serving:
   ``submit()``; the rest of its micro-batch gets results;
 * **cancellation**: a caller cancelled before its item was dispatched removes the item
   (no worker sees it); cancelled after, its result is dropped;
-* **deadlines**: ``deadline=`` seconds; past it before dispatch, the request fails with
-  :class:`~aioloader.DeadlineExceeded` without using a worker;
+* **deadlines**: ``deadline=`` seconds from ``submit()``, end to end: the request is
+  answered by then, or fails with :class:`~aioloader.DeadlineExceeded` (before dispatch
+  without using a worker; at a worker, its result is dropped when it comes);
 * **priorities**: higher ``priority`` first; first come, first served within one;
-* **admission control**: beyond ``max_pending`` waiting requests ``submit()`` raises
-  :class:`~aioloader.Overloaded` at once (``block=True`` waits for room instead).
+* **admission control**: ``submit()`` raises :class:`~aioloader.Overloaded` at once when
+  ``max_pending`` requests already wait (``block=True`` waits for room instead), or when
+  the request has a deadline that the Batcher estimates it would miss: the work ahead of
+  it at its priority, drained at the rate the pool answers, plus the measured service
+  time, corrected by how far past estimates were off.
 """
 
 from __future__ import annotations
@@ -110,7 +114,8 @@ class Batcher(LoaderBase, Generic[Batch]):
             arrived (``0``: dispatch what is waiting, never wait).
         num_workers: worker processes; ``0`` runs ``fn`` in one background thread.
         max_pending: most requests waiting for dispatch; beyond it ``submit()`` raises
-            :class:`~aioloader.Overloaded` (or waits, with ``block=True``).
+            :class:`~aioloader.Overloaded` (or waits, with ``block=True``). A request with
+            a ``deadline`` is also refused when its estimated answer comes too late.
         prefetch: micro-batches dispatched at once (default ``num_workers + 1``: one per
             worker and one ready behind them; requests beyond that wait in the queue,
             where they can still be prioritised, cancelled or expired).
@@ -251,6 +256,10 @@ class Batcher(LoaderBase, Generic[Batch]):
         self, item: Any, *, priority: int = 0, deadline: float | None = None, block: bool = False
     ) -> Batch:
         """This item's result (``fn(item)``), computed in a micro-batch.
+
+        ``deadline``: seconds from this call by which it is answered (see the module
+        docstring); without ``block=True`` a request that would miss it by the Batcher's
+        estimate is refused at once with :class:`~aioloader.Overloaded`.
 
         Raises what ``fn`` raised for this item (type kept, with a note), or
         :class:`~aioloader.Overloaded`, :class:`~aioloader.DeadlineExceeded`,

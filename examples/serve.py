@@ -8,6 +8,8 @@
 channel of the image resized to 64x64. A body that does not decode answers ``400`` with
 the decoder's message, for that request alone; when ``--max-pending`` requests are
 already waiting the service answers ``503`` at once instead of queueing without bound.
+With ``--deadline-ms`` each upload must be answered within that time: one the Batcher
+estimates it would answer too late gets ``503`` at once, one that still runs late ``504``.
 ``GET /health`` answers ``{"ok": true}``, ``GET /stats`` the Batcher's statistics.
 
 The whole of the batching is the handler's one line, ``await batcher.submit(body)``: the
@@ -56,12 +58,16 @@ def model(pixels: np.ndarray) -> list[float]:
 
 
 class Service:
-    def __init__(self, batcher: aioloader.Batcher[np.ndarray], max_requests: int | None) -> None:
+    def __init__(
+        self, batcher: aioloader.Batcher[np.ndarray], max_requests: int | None, deadline: float | None = None
+    ) -> None:
         self.batcher = batcher
         self.max_requests = max_requests
+        self.deadline = deadline
         self.answered = 0
         self.failed = 0
         self.overloaded = 0
+        self.late = 0
         self.done = asyncio.Event()
 
     def _count(self) -> None:
@@ -73,10 +79,13 @@ class Service:
         t0 = time.perf_counter()
         body = await request.read()
         try:
-            pixels = await self.batcher.submit(body)
+            pixels = await self.batcher.submit(body, deadline=self.deadline)
         except aioloader.Overloaded:
             self.overloaded += 1
             return web.json_response({"error": "overloaded, try again"}, status=503)
+        except aioloader.DeadlineExceeded:
+            self.late += 1
+            return web.json_response({"error": "not answered within the deadline"}, status=504)
         except (OSError, ValueError) as exc:  # Pillow's verdict on this upload
             self.failed += 1
             self._count()
@@ -97,6 +106,7 @@ def _stats(st: aioloader.BatcherStats) -> dict[str, Any]:
         "completed": st.completed,
         "failed": st.failed,
         "rejected": st.rejected,
+        "expired": st.expired + st.expired_after_dispatch,
         "cancelled": st.cancelled_before_dispatch + st.cancelled_after_dispatch,
         "batch_sizes": {str(k): v for k, v in sorted(st.batch_sizes.items())},
         "queue_wait_p99_ms": None if st.queue_wait_s[1] is None else round(st.queue_wait_s[1] * 1e3, 3),
@@ -114,7 +124,8 @@ async def serve(args: argparse.Namespace) -> dict[str, Any]:
         max_pending=args.max_pending,
     )
     async with batcher:
-        service = Service(batcher, args.max_requests)
+        deadline = None if args.deadline_ms is None else args.deadline_ms / 1e3
+        service = Service(batcher, args.max_requests, deadline)
         await batcher.submit_many([_warm_image()] * max(1, args.workers))  # start the workers now
         app = web.Application(client_max_size=32 * 1024 * 1024)
         app.add_routes(
@@ -140,6 +151,7 @@ async def serve(args: argparse.Namespace) -> dict[str, Any]:
             "answered": service.answered,
             "failed": service.failed,
             "overloaded": service.overloaded,
+            "late": service.late,
             **_stats(batcher.stats()),
         }
     return summary
@@ -159,6 +171,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--max-latency", type=float, default=0.005, help="seconds a micro-batch waits to fill")
     ap.add_argument("--max-pending", type=int, default=256, help="waiting uploads before answering 503")
+    ap.add_argument(
+        "--deadline-ms", type=float, default=None, help="answer each upload within this (503/504)"
+    )
     ap.add_argument("--duration", type=float, default=60.0, help="stop after this many seconds")
     ap.add_argument("--max-requests", type=int, default=None, help="stop after this many answers")
     return ap.parse_args(argv)

@@ -71,8 +71,8 @@ async def send(session: aiohttp.ClientSession, url: str, upload: Upload, results
 
 
 def check(upload: Upload, status: int, payload: dict[str, Any], results: Results) -> None:
-    if status == 503:
-        return  # admission control said "busy": an answer, not a wrong one
+    if status in (503, 504):
+        return  # admission control said "busy", or the deadline passed: answers, not wrong ones
     if not upload.valid:
         if status != 400 or "error" not in payload:
             results.wrong.append(f"invalid body answered {status} {payload}")
@@ -139,7 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--concurrency", type=int, default=16, help="closed loop: requests outstanding")
-    ap.add_argument("--rate", type=float, default=0.0, help="open loop: arrivals per second (overrides concurrency)")
+    ap.add_argument(
+        "--rate", type=float, default=0.0, help="open loop: arrivals per second (overrides concurrency)"
+    )
     ap.add_argument("--size", type=int, default=256, help="side of the generated images, pixels")
     ap.add_argument("--distinct", type=int, default=16, help="distinct images to cycle through")
     ap.add_argument("--invalid", type=int, default=0, help="how many uploads are not images (expect 400)")

@@ -103,12 +103,13 @@ def test_serve_and_load_over_loopback() -> None:
 
 
 def test_overload_answers_503_at_once_and_nothing_wrong() -> None:
-    """Open-loop arrivals far above what one worker decodes: admitted uploads are
-    answered correctly, the rest get 503 (counted the same on both sides)."""
+    """Open-loop arrivals far above what one worker decodes, each with a deadline:
+    admitted uploads are answered correctly, the rest get 503 (or 504 if one still ran
+    late), counted the same on both sides."""
     requests = 200
     server = subprocess.Popen(
         [sys.executable, str(EXAMPLES / "serve.py"), "--port", "0", "--workers", "1", "--batch-size", "1",
-         "--max-pending", "2", "--max-requests", "1000000", "--duration", "60"],
+         "--max-pending", "2", "--deadline-ms", "200", "--max-requests", "1000000", "--duration", "60"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT,
     )  # fmt: skip
     try:
@@ -137,3 +138,4 @@ def test_overload_answers_503_at_once_and_nothing_wrong() -> None:
     stats = _last_json(out, "server")
     assert stats["overloaded"] == statuses["503"] == stats["rejected"]
     assert stats["answered"] == statuses["200"]
+    assert stats["late"] == statuses.get("504", 0) == stats["expired"]  # a deadline missed: 504
