@@ -46,6 +46,11 @@ __all__ = ["Request", "RequestQueue", "ServeCounters", "ServeUnit"]
 
 _QUEUED, _DISPATCHED, _DONE = 0, 1, 2
 
+# Every stamp and deadline is on this clock. Not ``loop.time()``: uvloop's is the time the
+# current loop iteration began, in whole milliseconds, too coarse for the queue waits and
+# service times the stats report and the admission estimates learn from.
+_clock = time.monotonic
+
 
 # How fast the per-item cost follows a change (weight of the newest micro-batch).
 _ALPHA = 0.2
@@ -70,7 +75,7 @@ class Request:
         self.arrived = arrived
         self.priority = priority
         self.deadline: float | None = None  # seconds, as given to submit()
-        self.due: float | None = None  # the deadline on the loop's clock
+        self.due: float | None = None  # the deadline on _clock
         self.estimate: float | None = None  # seconds to its answer, as estimated at admission
         self.timer: asyncio.TimerHandle | None = None
         self.dispatched = 0.0
@@ -154,7 +159,7 @@ class RequestQueue:
     # ------------------------------------------------------------------ intake
     async def put(self, item: Any, priority: int, deadline: float | None, block: bool) -> asyncio.Future[Any]:
         loop = self.loop
-        called = loop.time()
+        called = _clock()
         while self.waiting >= self.max_pending and not self.closed:
             if not block:
                 self.counters.rejected += 1
@@ -173,10 +178,11 @@ class RequestQueue:
         if self.closed:
             raise LoaderClosedError("the Batcher was closed")
         estimate = self._admit(priority, deadline) if deadline is not None and not block else None
-        req = Request(next(self._ids), item, loop.create_future(), loop.time(), priority)
+        now = _clock()
+        req = Request(next(self._ids), item, loop.create_future(), now, priority)
         if deadline is not None:
             req.deadline, req.due, req.estimate = deadline, called + deadline, estimate
-            req.timer = loop.call_at(req.due, self._expire, req)
+            req.timer = loop.call_later(req.due - now, self._expire, req)
         req.future.add_done_callback(functools.partial(self._settled, req))
         heapq.heappush(self.heap, (-priority, req.rid, req))
         self.waiting += 1
@@ -203,7 +209,7 @@ class RequestQueue:
 
     def _learn(self, unit: ServeUnit, now: float) -> None:
         """A micro-batch was answered: learn the service time and the pool's drain rate."""
-        clock = time.perf_counter()
+        clock = now
         service = now - unit.requests[0].dispatched
         self._service_s = (
             service if self._service_s is None else (1 - _ALPHA) * self._service_s + _ALPHA * service
@@ -268,6 +274,10 @@ class RequestQueue:
     def _expire(self, req: Request, why: str = "") -> None:
         if req.future.done():
             return
+        if not why and req.due is not None and (early := req.due - _clock()) > 0:
+            # (a loop's timers run on its own clock, which may lag this one: not yet)
+            req.timer = self.loop.call_later(early, self._expire, req)
+            return
         if req.state == _QUEUED:
             self.counters.expired += 1
             why = why or "waited past its deadline before a worker took it"
@@ -315,7 +325,7 @@ class RequestQueue:
             # callback (which does the accounting) has run.
             if req.state != _QUEUED or req.future.done():
                 continue
-            if req.due is not None and self.item_s is not None and self.loop.time() + self.item_s > req.due:
+            if req.due is not None and self.item_s is not None and _clock() + self.item_s > req.due:
                 self._expire(req, "had less time left than one item takes a worker")
                 continue  # (its done callback does the accounting)
             return req
@@ -339,15 +349,16 @@ class RequestQueue:
                 continue
             # Waiting to fill only pays while every worker is busy: with one idle, the
             # requests at hand go now (low load adds no batching delay).
-            if self.closed or self.idle() or loop.time() >= until:
+            now = _clock()
+            if self.closed or self.idle() or now >= until:
                 break
             self._arrival = loop.create_future()
-            handle = loop.call_at(until, self._wake)
+            handle = loop.call_later(until - now, self._wake)
             try:
                 await self._arrival
             finally:
                 handle.cancel()
-        now = loop.time()
+        now = _clock()
         for req in batch:
             req.state = _DISPATCHED
             req.dispatched = now
@@ -363,7 +374,7 @@ class RequestQueue:
         from .._serve_worker import Failed
 
         self._wake()  # a worker is free: a micro-batch being filled may go now
-        now = self.loop.time()
+        now = _clock()
         self._learn(unit, now)
         for k, req in enumerate(unit.requests):
             self.outstanding.discard(req)
