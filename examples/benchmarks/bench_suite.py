@@ -225,6 +225,7 @@ def _run_loader(spec: dict[str, Any]) -> dict[str, Any]:
         t0 = time.perf_counter()
         c0 = time.process_time()
         first = None
+        second = None  # the wait for the epoch's second batch
         samples = 0
         wait = 0.0  # time spent waiting for batches after the first
         it = iter(loader)
@@ -238,6 +239,8 @@ def _run_loader(spec: dict[str, Any]) -> dict[str, Any]:
             if first is None:
                 first = w1 - t0
             else:
+                if second is None:
+                    second = w1 - w0
                 wait += w1 - w0
             samples += _count(batch)
             del batch
@@ -248,6 +251,7 @@ def _run_loader(spec: dict[str, Any]) -> dict[str, Any]:
                 "wall_s": time.perf_counter() - t0,
                 "cpu_s": time.process_time() - c0,
                 "first_batch_s": first,
+                "second_batch_wait_s": second,
                 "wait_after_first_s": wait,
                 "samples": samples,
             }
@@ -370,6 +374,7 @@ def summarize(workload: str, runs: dict[str, list[dict[str, Any]]], batch_size: 
             continue
         rates, bps, cpu, cpu_per_batch, firsts, cold, rss, rss_base = [], [], [], [], [], [], [], []
         waits: list[float] = []
+        boundary: list[float] = []
         for r in reps:
             steady = r["epochs"][1:] or r["epochs"]
             wall = sum(e["wall_s"] for e in steady)
@@ -381,6 +386,15 @@ def summarize(workload: str, runs: dict[str, list[dict[str, Any]]], batch_size: 
             cpu_per_batch.append(cpu[-1] / batches)
             firsts.extend(e["first_batch_s"] for e in r["epochs"][1:])
             waits.extend(e["wait_after_first_s"] / max(1, e["samples"] // batch_size - 1) for e in steady)
+            # The epoch boundary, free of the workers' phase: with 2 workers, batches come in
+            # staggered pairs (short and long waits alternate), so one wait says more about
+            # the phase than about the boundary. The first two waits of an epoch against two
+            # mean waits of the same epoch does not depend on it.
+            for e in r["epochs"][1:]:
+                n = -(-e["samples"] // batch_size)
+                if e.get("second_batch_wait_s") is not None and n > 2 and e["wait_after_first_s"] > 0:
+                    gap = e["wait_after_first_s"] / (n - 1)
+                    boundary.append((e["first_batch_s"] + e["second_batch_wait_s"]) / (2 * gap))
             cold.append(r["epochs"][0]["cold_start_s"])
             rss.append(r["peak_rss_mb"])
             rss_base.append(r["rss_base_mb"])
@@ -392,6 +406,7 @@ def summarize(workload: str, runs: dict[str, list[dict[str, Any]]], batch_size: 
             "first_batch_epoch2plus_ms": 1000 * (_median(firsts) or 0.0),
             "first_batch_epoch2plus_max_ms": 1000 * max(firsts) if firsts else None,
             "wait_per_batch_after_first_ms": 1000 * (_median(waits) or 0.0),
+            "boundary_vs_two_gaps": _median(boundary),
             "epoch_s": _median(
                 [sum(e["wall_s"] for e in r["epochs"][1:]) / max(1, len(r["epochs"]) - 1) for r in reps]
             ),
@@ -499,6 +514,12 @@ def fmt_table(name: str, summary: dict[str, Any], unit: str) -> str:
             parts.append(f"{r['vs_bound']:.2f}x the bound")
         if parts:
             notes.append(f"{kind}: " + ", ".join(parts))
+    edges = {k: r["boundary_vs_two_gaps"] for k, r in summary["rows"].items() if r.get("boundary_vs_two_gaps")}
+    if edges:
+        notes.append(
+            "epoch boundary, the first two waits of epochs 2+ against two steady gaps (median): "
+            + ", ".join(f"{k} {v:.2f}x" for k, v in edges.items())
+        )
     return "\n".join(lines + (["", *notes] if notes else []))
 
 
