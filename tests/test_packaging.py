@@ -190,3 +190,36 @@ def test_benchmark_suite_names_a_missing_peer_in_its_tables(tmp_path: Path) -> N
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| grain | not installed (`pip install grain`) |" in proc.stdout
     assert "| spdl | not installed (`pip install spdl`) |" in proc.stdout
+
+
+def test_benchmark_suite_epoch_boundary_figure_does_not_depend_on_the_workers_phase() -> None:
+    """Two workers deliver in staggered pairs (a short wait, then a long one). An epoch start
+    that lands on the long wait is no slower a boundary than one that lands on the short
+    wait: the suite's boundary figure (the first two waits against two mean waits) is 1.0
+    for both, while the first wait alone reads 0.5x or 1.5x."""
+    sys.path.insert(0, str(ROOT / "examples" / "benchmarks"))
+    try:
+        import bench_suite
+    finally:
+        sys.path.pop(0)
+
+    def epoch(first: float, waits: list[float]) -> dict[str, float]:
+        return {"wall_s": first + sum(waits), "cpu_s": 0.0, "first_batch_s": first,
+                "second_batch_wait_s": waits[0], "wait_after_first_s": sum(waits), "samples": 4 * (1 + len(waits))}  # fmt: skip
+
+    def run(first: float, waits: list[float]) -> dict[str, object]:
+        return {"epochs": [epoch(first, waits)] * 3, "peak_rss_mb": 1.0, "rss_base_mb": 1.0}
+
+    short, long = 0.05, 0.15
+    runs = {
+        "aioloader": [run(short, [long, short] * 8)],  # the epoch starts on a short wait
+        "aioloader-auto": [run(long, [short, long] * 8)],  # ... or on a long one
+    }
+    for rep in runs.values():
+        rep[0]["epochs"][0] = dict(rep[0]["epochs"][0], cold_start_s=0.5)
+    rows = bench_suite.summarize("jpeg", runs, 4)["rows"]
+    assert rows["aioloader"]["boundary_vs_two_gaps"] == pytest.approx(1.0)
+    assert rows["aioloader-auto"]["boundary_vs_two_gaps"] == pytest.approx(1.0)
+    gap_ms = 1000 * (short + long) / 2
+    assert rows["aioloader"]["first_batch_epoch2plus_ms"] == pytest.approx(0.5 * gap_ms)
+    assert rows["aioloader-auto"]["first_batch_epoch2plus_ms"] == pytest.approx(1.5 * gap_ms)
