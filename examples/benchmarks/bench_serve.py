@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures as cf
+import gc
 import io
 import itertools
 import json
@@ -288,10 +289,20 @@ async def overload(workers: int, jpegs: list[bytes], rate: float, seconds: float
     the default ``max_pending``: the Batcher refuses what it estimates it cannot answer in
     time. Rejection time is measured from the ``submit()`` call to the ``Overloaded``;
     admitted latency from the scheduled arrival to the answer (a result, or
-    ``DeadlineExceeded`` at the deadline)."""
+    ``DeadlineExceeded`` at the deadline). The cyclic garbage collector's pauses during
+    the arrivals are recorded too: a pause stops the event loop, service and load
+    generator alike."""
     c = BatcherContender(workers)
     await c.start()
     clock = time.perf_counter
+    pauses: list[tuple[int, float]] = []  # (generation, seconds)
+    began = [0.0]
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            began[0] = clock()
+        else:
+            pauses.append((info["generation"], clock() - began[0]))
     completed: list[float] = []
     answered: list[float] = []  # every admitted request: its result or its DeadlineExceeded
     rejected: list[float] = []
@@ -315,7 +326,11 @@ async def overload(workers: int, jpegs: list[bytes], rate: float, seconds: float
             answered.append(completed[-1])
 
         n = int(rate * seconds)
-        await arrivals(one, jpegs, rate, n)
+        gc.callbacks.append(on_gc)
+        try:
+            await arrivals(one, jpegs, rate, n)
+        finally:
+            gc.callbacks.remove(on_gc)
         st = c.batcher.stats()
     finally:
         await c.stop()
@@ -342,6 +357,9 @@ async def overload(workers: int, jpegs: list[bytes], rate: float, seconds: float
         "rejected_p99_ms": pct(rejected, 99),
         "rejected_max_ms": pct(rejected, 100),
         "worker_items": sum(k * v for k, v in st.batch_sizes.items()),
+        "gc_collections": len(pauses),
+        "gc_full_collections": sum(1 for g, _ in pauses if g == 2),
+        "gc_max_pause_ms": max((d for _, d in pauses), default=0.0) * 1e3,
     }
 
 
@@ -366,9 +384,14 @@ def _median_rows(reps: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     jpegs = make_jpegs(64, args.side)
+    if args.gc_freeze:
+        gc.collect()
+        gc.freeze()
     rates = [float(r) for r in args.rates.split(",")]
     names = ["batcher", "naive", "stream"]
-    out: dict[str, Any] = {"rates": rates, "side": args.side, "workers": args.workers, "repeat": args.repeat}
+    out: dict[str, Any] = {
+        "rates": rates, "side": args.side, "workers": args.workers, "repeat": args.repeat, "gc_freeze": args.gc_freeze,
+    }  # fmt: skip
     raw: dict[str, list[list[dict[str, Any]]]] = {n: [] for n in names}
     for rep in range(args.repeat):  # interleaved: the order rotates every repetition
         for name in names[rep % 3 :] + names[: rep % 3]:
@@ -428,6 +451,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rates", default="100,200,400,600,800,1000,1200,1400,1600,1800,2000,2200")
     ap.add_argument("--seconds", type=float, default=2.0, help="seconds of arrivals per rate")
     ap.add_argument("--repeat", type=int, default=3, help="interleaved repetitions (medians are reported)")
+    ap.add_argument(
+        "--gc-freeze",
+        action="store_true",
+        help="gc.freeze() once set up, as a service would after start-up (every contender)",
+    )
     ap.add_argument("--json")
     ap.add_argument("--png")
     args = ap.parse_args(argv)
