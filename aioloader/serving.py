@@ -367,4 +367,9 @@ async def _deliver(run: Run, queue: RequestQueue, recorder: Recorder) -> None:
             d = await run.next(rec)
         except (StopAsyncIteration, LoaderClosedError):
             return
-        queue.resolve(d.unit, d.data, d.error)  # type: ignore[arg-type]
+        try:
+            queue.resolve(d.unit, d.data, d.error)  # type: ignore[arg-type]
+        except Exception as exc:  # a defect here must fail its requests, not stop the answers
+            for req in d.unit.requests:  # type: ignore[attr-defined]
+                if not req.future.done():
+                    req.future.set_exception(exc)

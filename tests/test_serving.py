@@ -8,6 +8,7 @@ import pickle
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -106,14 +107,15 @@ async def test_deadline_passes_before_dispatch_without_a_worker() -> None:
 @pytest.mark.asyncio
 async def test_deadline_also_bounds_a_dispatched_request() -> None:
     async with Batcher(H.held, batch_size=1, max_latency=0, prefetch=1) as b:
+        assert await b.submit("warm") == "warm"  # the worker thread is up
         with pytest.raises(DeadlineExceeded, match="still at a worker") as info:
-            await b.submit("hold", deadline=0.05)  # fn runs until the test releases it
-        assert info.value.dispatched is True and info.value.deadline == 0.05
+            await b.submit("hold", deadline=0.3)  # fn runs until the test releases it
+        assert info.value.dispatched is True and info.value.deadline == 0.3
         assert H.entered.is_set()
         H.hold.set()
         assert await b.submit("next") == "next"  # the late result was dropped on arrival
         st = b.stats()
-    assert (st.expired, st.expired_after_dispatch, st.completed) == (0, 1, 1)
+    assert (st.expired, st.expired_after_dispatch, st.completed) == (0, 1, 2)
 
 
 @pytest.mark.asyncio
@@ -161,7 +163,116 @@ async def test_admission_estimate_and_dispatch_time_expiry() -> None:
     assert late.value.dispatched is False
     assert (q.counters.rejected_late, q.counters.expired) == (1, 1)
     await q.aclose()
-    assert all(f.done() for f in futures)
+    # dispatched or still queued, every request is failed by the close, none left pending
+    assert all(isinstance(f.exception(), LoaderClosedError) for f in futures)
+
+
+def _queue(batch_size: int = 4, max_pending: int = 100, max_latency: float = 60.0) -> RequestQueue:
+    # idle() is False until a test says otherwise: every worker busy, a cut waits to fill
+    return RequestQueue(None, batch_size=batch_size, max_latency=max_latency, max_pending=max_pending, counters=ServeCounters())  # type: ignore[arg-type]  # fmt: skip
+
+
+@pytest.mark.asyncio
+async def test_a_request_cancelled_or_expired_while_its_micro_batch_fills_is_not_sent() -> None:
+    q = _queue(max_pending=3)
+    gone = await q.put("cancelled", 0, None, False)
+    late = await q.put("expires", 0, 0.02, False)
+    cut = asyncio.ensure_future(q.next_unit())
+    await asyncio.sleep(0)  # (one turn of the loop) the cut takes both and waits for more
+    assert not cut.done() and q.waiting == 0
+    gone.cancel()
+    with pytest.raises(DeadlineExceeded) as info:
+        await late
+    assert info.value.dispatched is False
+    kept = await q.put("kept", 0, None, False)
+    q.idle = lambda: True  # a worker frees: the cut goes with what is still live
+    q._wake()
+    unit = await cut
+    assert unit is not None and [r.item for r in unit.requests] == ["kept"]
+    assert (q.counters.cancelled_queued, q.counters.expired) == (1, 1)
+    assert q.waiting == 0 and not q._by_priority
+    for i in range(3):  # max_pending still means 3
+        await q.put(i, 0, None, False)
+    with pytest.raises(Overloaded, match="max_pending=3"):
+        await q.put("one too many", 0, None, False)
+    q.resolve(unit, ["done"], None)
+    assert await kept == "done"
+    await q.aclose()
+
+
+@pytest.mark.asyncio
+async def test_block_waits_for_room_no_longer_than_the_deadline() -> None:
+    q = _queue(max_pending=1)
+    first = await q.put("first", 0, None, False)
+    with pytest.raises(DeadlineExceeded, match="for room in the queue") as info:
+        await q.put("second", 0, 0.02, True)
+    assert info.value.dispatched is False and q.counters.expired == 1
+    assert q.waiting == 1 and not q._room
+    await q.aclose()
+    assert isinstance(first.exception(), LoaderClosedError)
+
+
+@pytest.mark.asyncio
+async def test_room_lets_in_every_blocked_submitter_it_can() -> None:
+    q = _queue(batch_size=2, max_pending=2)
+    held = [await q.put(i, 0, None, False) for i in range(2)]
+    blocked = [asyncio.ensure_future(q.put(f"b{i}", 0, None, True)) for i in range(3)]
+    await asyncio.sleep(0)
+    assert len(q._room) == 3
+    q.idle = lambda: True
+    unit = await q.next_unit()  # two leave the queue: room for two, first come first served
+    assert unit is not None and unit.size == 2
+    let_in = await asyncio.wait_for(asyncio.gather(*blocked[:2]), 10)
+    assert not blocked[2].done() and q.waiting == 2
+    await q.aclose()
+    assert all(isinstance(f.exception(), LoaderClosedError) for f in held + list(let_in))
+    with pytest.raises(LoaderClosedError):  # still waiting at the close: told so
+        await blocked[2]
+
+
+@pytest.mark.asyncio
+async def test_close_fails_the_requests_of_a_micro_batch_being_filled() -> None:
+    q = _queue()
+    filling = await q.put("filling", 0, None, False)
+    cut = asyncio.ensure_future(q.next_unit())
+    await asyncio.sleep(0)
+    cut.cancel()  # the run's producer is cancelled first when a Batcher closes
+    with pytest.raises(asyncio.CancelledError):
+        await cut
+    await q.aclose()
+    with pytest.raises(LoaderClosedError, match="closed before request"):
+        await filling
+
+
+@pytest.mark.asyncio
+async def test_dead_requests_release_their_items_and_the_heap_stays_bounded() -> None:
+    q = _queue(max_pending=16)  # nothing is ever cut: every window slot busy
+    reqs: list[asyncio.Future[Any]] = []
+    for _ in range(150):
+        batch = [await q.put(bytearray(1024), 0, None, False) for _ in range(16)]
+        for f in batch:
+            f.cancel()
+        await asyncio.sleep(0)  # (their done callbacks run on the next turn)
+        reqs += batch
+    assert q.waiting == 0 and q.counters.cancelled_queued == 2400
+    assert len(q.heap) <= 1024 + 16  # compacted, not 2,400 dead entries
+    assert all(entry[2].item is None for entry in q.heap)
+    await q.aclose()
+
+
+@pytest.mark.asyncio
+async def test_an_estimate_of_zero_does_not_stop_the_answers() -> None:
+    # A clock too coarse to time a fast micro-batch (Windows before 3.13) makes the
+    # service time, and so an estimate with nothing ahead, exactly 0.
+    q = _queue(batch_size=1)
+    q.item_s, q._service_s, q._drain_s = 0.0, 0.0, 0.0
+    f = await q.put("x", 0, 1.0, False)
+    q.idle = lambda: True
+    unit = await q.next_unit()
+    assert unit is not None and unit.requests[0].estimate == 0.0
+    q.resolve(unit, ["answer"], None)
+    assert await f == "answer" and q._ratio == 1.0
+    await q.aclose()
 
 
 @pytest.mark.asyncio

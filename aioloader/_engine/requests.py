@@ -16,8 +16,9 @@ result or with ``DeadlineExceeded``. Three checks keep the second rare and cheap
 
 - *admission*: the queue learns what one item costs a worker (from each finished
   micro-batch's worker time) and, at ``submit()``, estimates when a new request would be
-  answered from the work ahead of it (requests waiting at its priority or higher, and
-  those in flight). A request whose estimate passes its deadline is refused at once with
+  answered from the work ahead of it (requests waiting at its priority or higher, drained
+  at the rate the pool has been answering, plus a micro-batch's measured time from
+  dispatch to answer). A request whose estimate passes its deadline is refused at once with
   ``Overloaded``: the caller can answer 503 or try elsewhere while there is still time;
 - *dispatch*: a request with less time left than one item takes is expired there, not
   sent to a worker;
@@ -44,7 +45,9 @@ from .epochs import WorkerSide
 
 __all__ = ["Request", "RequestQueue", "ServeCounters", "ServeUnit"]
 
-_QUEUED, _DISPATCHED, _DONE = 0, 1, 2
+# A request is QUEUED in the heap, FILLING once taken into the micro-batch being cut (out
+# of the heap, not yet sent), DISPATCHED once sent, DONE once answered or dropped.
+_QUEUED, _FILLING, _DISPATCHED, _DONE = 0, 1, 2, 3
 
 # Every stamp and deadline is on this clock. Not ``loop.time()``: uvloop's is the time the
 # current loop iteration began, in whole milliseconds, too coarse for the queue waits and
@@ -143,6 +146,8 @@ class RequestQueue:
         self._seq = itertools.count()
         self._arrival: asyncio.Future[None] | None = None
         self._room: deque[asyncio.Future[None]] = deque()  # blocked submitters, first come first served
+        self._woken = 0  # blocked submitters let in but not yet back in put()
+        self._filling: list[Request] = []  # the micro-batch being cut (out of the heap)
         self.idle: Callable[[], bool] = lambda: False  # is a worker free? (set by the Batcher)
         self.concurrency = 1  # tasks the pool runs at once (set by the Batcher)
         self.item_s: float | None = None  # worker seconds per item (learnt; None until measured)
@@ -160,7 +165,8 @@ class RequestQueue:
     async def put(self, item: Any, priority: int, deadline: float | None, block: bool) -> asyncio.Future[Any]:
         loop = self.loop
         called = _clock()
-        while self.waiting >= self.max_pending and not self.closed:
+        waited = False
+        while self.waiting + self._woken >= self.max_pending and not self.closed:
             if not block:
                 self.counters.rejected += 1
                 raise Overloaded(
@@ -168,17 +174,20 @@ class RequestQueue:
                     max_pending=self.max_pending,
                     estimate=None,
                 )
-            room = self.loop.create_future()
-            self._room.append(room)
-            try:
-                await room
-            finally:
-                if room in self._room:
-                    self._room.remove(room)
+            await self._wait_for_room(called, deadline)
+            waited = True
         if self.closed:
             raise LoaderClosedError("the Batcher was closed")
-        estimate = self._admit(priority, deadline) if deadline is not None and not block else None
         now = _clock()
+        if waited and deadline is not None and now >= called + deadline:
+            self.counters.expired += 1
+            raise DeadlineExceeded(
+                f"the request waited past its deadline of {deadline} s for room in the queue "
+                f"(max_pending={self.max_pending})",
+                deadline=deadline,
+                dispatched=False,
+            )
+        estimate = self._admit(priority, deadline) if deadline is not None and not block else None
         req = Request(next(self._ids), item, loop.create_future(), now, priority)
         if deadline is not None:
             req.deadline, req.due, req.estimate = deadline, called + deadline, estimate
@@ -190,6 +199,29 @@ class RequestQueue:
         self.counters.submitted += 1
         self._wake()
         return req.future
+
+    async def _wait_for_room(self, called: float, deadline: float | None) -> None:
+        """Wait (``block=True``) until the queue lets this submitter in, or its deadline."""
+        room = self.loop.create_future()
+        self._room.append(room)
+        try:
+            if deadline is None:
+                await room
+            else:
+                await asyncio.wait_for(room, max(0.0, called + deadline - _clock()))
+        except asyncio.TimeoutError:
+            self.counters.expired += 1
+            raise DeadlineExceeded(
+                f"the request waited past its deadline of {deadline} s for room in the queue "
+                f"(max_pending={self.max_pending})",
+                deadline=deadline,
+                dispatched=False,
+            ) from None
+        finally:
+            if room in self._room:
+                self._room.remove(room)
+            elif room.done() and not room.cancelled():
+                self._woken -= 1  # let in by _make_room: now counted by waiting, or gone
 
     def estimate(self, priority: int) -> tuple[float, int] | None:
         """(seconds until a request of ``priority`` submitted now would be answered, the
@@ -223,6 +255,8 @@ class RequestQueue:
         """An admitted request was answered ``actual`` seconds after ``submit()``: correct
         later estimates by how far off its own was (loop, pipe and pickling overheads the
         model leaves out, a pool slower than its workers' busy time says)."""
+        if estimate <= 0.0:  # (a clock too coarse to time the fastest answers says nothing)
+            return
         misses = self._misses
         misses.append(actual - self._ratio * estimate)
         self._ratio += _GAIN * (actual / estimate - self._ratio)
@@ -278,14 +312,13 @@ class RequestQueue:
             # (a loop's timers run on its own clock, which may lag this one: not yet)
             req.timer = self.loop.call_later(early, self._expire, req)
             return
-        if req.state == _QUEUED:
+        if req.state in (_QUEUED, _FILLING):
             self.counters.expired += 1
             why = why or "waited past its deadline before a worker took it"
         elif req.state == _DISPATCHED:
+            # (its answer, when it comes, still calibrates the estimates: see resolve)
             self.counters.expired_dispatched += 1
             why = "was still at a worker at its deadline (its result will be dropped)"
-            if req.estimate is not None and req.deadline is not None:
-                self._calibrate(req.deadline, req.estimate)  # (it would have taken longer)
         else:
             return
         req.future.set_exception(
@@ -300,24 +333,37 @@ class RequestQueue:
         """The request's future is done: resolved by us, or cancelled/expired before."""
         if req.timer is not None:
             req.timer.cancel()
-        if req.state == _QUEUED:  # cancelled by its caller, or expired: leaves the heap lazily
+        state = req.state
+        if state in (_QUEUED, _FILLING):  # cancelled by its caller, or expired, unsent
             req.state = _DONE
-            self._left(req)
+            req.item = None  # (a dead entry may stay in the heap a while: not its item)
+            if state == _QUEUED:  # it leaves the heap lazily; a FILLING one has left it
+                self._left(req)
+                if len(self.heap) > 2 * self.waiting + 1024:
+                    self._compact()
             if req.future.cancelled():
                 self.counters.cancelled_queued += 1
             self._make_room()
-        elif req.state == _DISPATCHED and req.future.cancelled():
+        elif state == _DISPATCHED and req.future.cancelled():
             self.counters.cancelled_dispatched += 1  # its result is dropped on arrival
 
+    def _compact(self) -> None:
+        """Drop the dead entries of the heap (while every window slot is busy nothing pops
+        them, and a service under load can cancel or expire many)."""
+        self.heap = [e for e in self.heap if e[2].state == _QUEUED]
+        heapq.heapify(self.heap)
+
     def _make_room(self) -> None:
-        while self._room and self.waiting < self.max_pending:
+        """Let in as many blocked submitters as there is room for, first come first served."""
+        while self._room and self.waiting + self._woken < self.max_pending:
             room = self._room.popleft()
             if not room.done():
                 room.set_result(None)
-                return
+                self._woken += 1
 
     # ---------------------------------------------------------------- dispatch
     def _pop(self) -> Request | None:
+        """The next live request, taken out of the heap into the micro-batch being cut."""
         heap = self.heap
         while heap:
             req = heapq.heappop(heap)[2]
@@ -325,48 +371,68 @@ class RequestQueue:
             # callback (which does the accounting) has run.
             if req.state != _QUEUED or req.future.done():
                 continue
-            if req.due is not None and self.item_s is not None and _clock() + self.item_s > req.due:
+            if self._too_late(req):
                 self._expire(req, "had less time left than one item takes a worker")
                 continue  # (its done callback does the accounting)
+            req.state = _FILLING
+            self._left(req)
             return req
         return None
 
+    def _too_late(self, req: Request) -> bool:
+        return req.due is not None and self.item_s is not None and _clock() + self.item_s > req.due
+
     async def next_unit(self) -> ServeUnit | None:
         loop = self.loop
-        first = self._pop()
-        while first is None:
-            if self.closed:
-                return None
-            self._arrival = loop.create_future()
-            await self._arrival
-            first = self._pop()
-        batch = [first]
-        until = first.arrived + self.max_latency
-        while len(batch) < self.batch_size:
-            req = self._pop()
-            if req is not None:
-                batch.append(req)
-                continue
-            # Waiting to fill only pays while every worker is busy: with one idle, the
-            # requests at hand go now (low load adds no batching delay).
-            now = _clock()
-            if self.closed or self.idle() or now >= until:
-                break
-            self._arrival = loop.create_future()
-            handle = loop.call_later(until - now, self._wake)
-            try:
+        # (a cut interrupted by cancellation resumes with what it had taken)
+        batch = self._filling
+        while True:
+            while not batch:
+                first = self._pop()
+                if first is not None:
+                    batch.append(first)
+                    self._make_room()
+                    break
+                if self.closed:
+                    return None
+                self._arrival = loop.create_future()
                 await self._arrival
-            finally:
-                handle.cancel()
+            until = batch[0].arrived + self.max_latency
+            while len(batch) < self.batch_size:
+                req = self._pop()
+                if req is not None:
+                    batch.append(req)
+                    self._make_room()
+                    continue
+                # Waiting to fill only pays while every worker is busy: with one idle, the
+                # requests at hand go now (low load adds no batching delay).
+                now = _clock()
+                if self.closed or self.idle() or now >= until:
+                    break
+                self._arrival = loop.create_future()
+                handle = loop.call_later(until - now, self._wake)
+                try:
+                    await self._arrival
+                finally:
+                    handle.cancel()
+            # Requests cancelled or expired while the batch filled are not sent, nor is
+            # one that no longer has the time one item takes.
+            for req in batch:
+                if req.state == _FILLING and not req.future.done() and self._too_late(req):
+                    self._expire(req, "had less time left than one item takes a worker")
+            batch[:] = [r for r in batch if r.state == _FILLING and not r.future.done()]
+            if batch or self.closed:
+                break
+        self._filling = []
+        if not batch:
+            return None
         now = _clock()
         for req in batch:
             req.state = _DISPATCHED
             req.dispatched = now
-            self._left(req)
             self.counters.queue_wait.append(now - req.arrived)
         self.outstanding.update(batch)
         self.counters.sizes[len(batch)] += 1
-        self._make_room()
         return ServeUnit(self.side, next(self._seq), batch)
 
     # ----------------------------------------------------------------- results
@@ -375,15 +441,20 @@ class RequestQueue:
 
         self._wake()  # a worker is free: a micro-batch being filled may go now
         now = _clock()
-        self._learn(unit, now)
+        if error is None:  # (a timed-out or crashed micro-batch says nothing of the cost)
+            self._learn(unit, now)
+        answered: list[tuple[float, float]] = []  # (seconds from submit, estimate)
         for k, req in enumerate(unit.requests):
             self.outstanding.discard(req)
             state, req.state = req.state, _DONE
-            if req.future.done() or state != _DISPATCHED:
+            if state != _DISPATCHED:
                 continue
             self.counters.service.append(now - req.dispatched)
             if req.estimate is not None and req.due is not None and req.deadline is not None:
-                self._calibrate(now - (req.due - req.deadline), req.estimate)
+                # Every answer calibrates, a late one too: its real time, not its deadline.
+                answered.append((now - (req.due - req.deadline), req.estimate))
+            if req.future.done():
+                continue  # cancelled or expired in flight: the result is dropped
             out: Any = outcomes[k] if outcomes is not None else None
             if error is None and type(out) is Failed:
                 error_k: BaseException | None = out.exc
@@ -395,6 +466,8 @@ class RequestQueue:
             else:
                 self.counters.completed += 1
                 req.future.set_result(out)
+        for actual, estimate in answered:
+            self._calibrate(actual, estimate)
 
     async def aclose(self) -> None:
         """Fail every request not yet answered, and every blocked submitter."""
@@ -402,17 +475,22 @@ class RequestQueue:
             return
         self.closed = True
         self._wake()
-        for req in [r for _, _, r in self.heap] + list(self.outstanding):
+        pending = [r for _, _, r in self.heap] + self._filling + list(self.outstanding)
+        self.heap.clear()
+        self._filling = []
+        self.outstanding.clear()
+        self.waiting = 0
+        self._by_priority.clear()
+        for req in pending:
             if not req.future.done():
                 req.state = _DONE
                 req.future.set_exception(
                     LoaderClosedError(f"the Batcher was closed before request {req.rid} was answered")
                 )
-        self.heap.clear()
-        self.outstanding.clear()
         for room in self._room:
             if not room.done():
                 room.set_result(None)
+                self._woken += 1
 
 
 def percentiles(values: deque[float]) -> tuple[float | None, float | None, float | None]:
