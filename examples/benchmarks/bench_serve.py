@@ -448,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--side", type=int, default=256, help="side of the request JPEGs, pixels")
-    ap.add_argument("--rates", default="100,200,400,600,800,1000,1200,1400,1600,1800,2000,2200")
+    ap.add_argument("--rates", default="100,200,400,600,800,1000,1200,1400,1600,1800,2000,2200,2400,2600")
     ap.add_argument("--seconds", type=float, default=2.0, help="seconds of arrivals per rate")
     ap.add_argument("--repeat", type=int, default=3, help="interleaved repetitions (medians are reported)")
     ap.add_argument(
