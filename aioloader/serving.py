@@ -215,8 +215,8 @@ class Batcher(LoaderBase, Generic[Batch]):
             run = Run(self._run_config(), queue)
             concurrency = self._pool.concurrency
             queue.idle = lambda: len(run.units) < concurrency
-            queue.concurrency = concurrency
-            self._recorder.on_task = queue.observe
+            queue.model.concurrency = concurrency
+            self._recorder.on_task = queue.model.observe
             self._runs.add(run)
             run.start()
             self._deliverer = loop.create_task(_deliver(run, queue, self._recorder), name="aioloader-batcher")

@@ -107,6 +107,7 @@ def _stats(st: aioloader.BatcherStats) -> dict[str, Any]:
         "completed": st.completed,
         "failed": st.failed,
         "rejected": st.rejected,
+        "rejected_late": st.rejected_late,  # (of them, refused for their deadline)
         "expired": st.expired + st.expired_after_dispatch,
         "cancelled": st.cancelled_before_dispatch + st.cancelled_after_dispatch,
         "batch_sizes": {str(k): v for k, v in sorted(st.batch_sizes.items())},

@@ -142,9 +142,9 @@ async def test_admission_estimate_and_dispatch_time_expiry() -> None:
     requests at the same priority or higher; a request with less time left than one item
     takes is expired when the queue is cut, not sent to a worker."""
     q = RequestQueue(None, batch_size=4, max_latency=0, max_pending=100, counters=ServeCounters())  # type: ignore[arg-type]
-    q.concurrency = 2
+    q.model.concurrency = 2
     assert q.estimate(0) is None  # nothing learnt yet: everything is admitted
-    q.item_s, q._service_s, q._drain_s = 0.010, 0.030, 0.005
+    q.model.item_s, q.model.service_s, q.model.drain_s = 0.010, 0.030, 0.005
     futures = [await q.put(i, 0, None, False) for i in range(6)] + [
         await q.put(i, 5, None, False) for i in range(2)
     ]
@@ -155,7 +155,7 @@ async def test_admission_estimate_and_dispatch_time_expiry() -> None:
         await q.put("late", 0, 0.05, False)  # about 70 ms of work ahead of it
     assert info.value.estimate == pytest.approx(0.070)
     soon = await q.put("soon", 5, 0.05, False)  # 40 ms at its priority: admitted
-    q.item_s = 10.0  # now one item takes longer than any deadline left
+    q.model.item_s = 10.0  # now one item takes longer than any deadline left
     unit = await q.next_unit()
     assert unit is not None and [r.item for r in unit.requests] == [0, 1, 0, 1]  # priority 5 first
     with pytest.raises(DeadlineExceeded, match="less time left than one item") as late:
@@ -265,13 +265,13 @@ async def test_an_estimate_of_zero_does_not_stop_the_answers() -> None:
     # A clock too coarse to time a fast micro-batch (Windows before 3.13) makes the
     # service time, and so an estimate with nothing ahead, exactly 0.
     q = _queue(batch_size=1)
-    q.item_s, q._service_s, q._drain_s = 0.0, 0.0, 0.0
+    q.model.item_s, q.model.service_s, q.model.drain_s = 0.0, 0.0, 0.0
     f = await q.put("x", 0, 1.0, False)
     q.idle = lambda: True
     unit = await q.next_unit()
     assert unit is not None and unit.requests[0].estimate == 0.0
     q.resolve(unit, ["answer"], None)
-    assert await f == "answer" and q._ratio == 1.0
+    assert await f == "answer" and q.model.ratio == 1.0
     await q.aclose()
 
 

@@ -41,6 +41,7 @@ import numpy as np
 
 from .. import _stream_worker
 from ..errors import DeadlineExceeded, LoaderClosedError, Overloaded
+from .admission import CostModel
 from .epochs import WorkerSide
 
 __all__ = ["Request", "RequestQueue", "ServeCounters", "ServeUnit"]
@@ -53,15 +54,6 @@ _QUEUED, _FILLING, _DISPATCHED, _DONE = 0, 1, 2, 3
 # current loop iteration began, in whole milliseconds, too coarse for the queue waits and
 # service times the stats report and the admission estimates learn from.
 _clock = time.monotonic
-
-
-# How fast the per-item cost follows a change (weight of the newest micro-batch).
-_ALPHA = 0.2
-# The estimate's correction: the mean of actual / estimated time (weight of the newest
-# answer), and a high quantile of what is still missed after scaling by it, over the last
-# answers (recomputed every _TAIL_EVERY answers).
-_GAIN = 1 / 8
-_TAIL_Q, _TAIL_N, _TAIL_EVERY = 99.9, 2048, 64
 
 
 class Request:
@@ -149,16 +141,7 @@ class RequestQueue:
         self._woken = 0  # blocked submitters let in but not yet back in put()
         self._filling: list[Request] = []  # the micro-batch being cut (out of the heap)
         self.idle: Callable[[], bool] = lambda: False  # is a worker free? (set by the Batcher)
-        self.concurrency = 1  # tasks the pool runs at once (set by the Batcher)
-        self.item_s: float | None = None  # worker seconds per item (learnt; None until measured)
-        self._service_s: float | None = None  # dispatch -> answer of a micro-batch (mean)
-        self._drain_s: float | None = None  # seconds between answered items, pool saturated
-        self._last_answer: float | None = None  # when the last micro-batch was answered, if
-        # requests were waiting then (otherwise the gap to the next says nothing of the pool)
-        # The correction of estimates (learnt): a ratio, and a tail added to the scaled estimate.
-        self._ratio, self._tail = 1.0, 0.0
-        self._misses: deque[float] = deque(maxlen=_TAIL_N)
-        self._answers = 0
+        self.model = CostModel()  # what the pool costs, learnt as it runs
         self._by_priority: Counter[int] = Counter()  # live requests in the heap, by priority
 
     # ------------------------------------------------------------------ intake
@@ -180,13 +163,7 @@ class RequestQueue:
             raise LoaderClosedError("the Batcher was closed")
         now = _clock()
         if waited and deadline is not None and now >= called + deadline:
-            self.counters.expired += 1
-            raise DeadlineExceeded(
-                f"the request waited past its deadline of {deadline} s for room in the queue "
-                f"(max_pending={self.max_pending})",
-                deadline=deadline,
-                dispatched=False,
-            )
+            raise self._no_room_in_time(deadline)
         estimate = self._admit(priority, deadline) if deadline is not None and not block else None
         req = Request(next(self._ids), item, loop.create_future(), now, priority)
         if deadline is not None:
@@ -210,70 +187,37 @@ class RequestQueue:
             else:
                 await asyncio.wait_for(room, max(0.0, called + deadline - _clock()))
         except asyncio.TimeoutError:
-            self.counters.expired += 1
-            raise DeadlineExceeded(
-                f"the request waited past its deadline of {deadline} s for room in the queue "
-                f"(max_pending={self.max_pending})",
-                deadline=deadline,
-                dispatched=False,
-            ) from None
+            raise self._no_room_in_time(deadline) from None
         finally:
             if room in self._room:
                 self._room.remove(room)
             elif room.done() and not room.cancelled():
                 self._woken -= 1  # let in by _make_room: now counted by waiting, or gone
 
+    def _no_room_in_time(self, deadline: float | None) -> DeadlineExceeded:
+        self.counters.expired += 1
+        return DeadlineExceeded(
+            f"the request waited past its deadline of {deadline} s for room in the queue "
+            f"(max_pending={self.max_pending})",
+            deadline=deadline,
+            dispatched=False,
+        )
+
     def estimate(self, priority: int) -> tuple[float, int] | None:
         """(seconds until a request of ``priority`` submitted now would be answered, the
-        requests waiting ahead of it), or None before any micro-batch was answered.
-
-        The requests ahead (waiting at this priority or higher) leave the queue at the
-        rate the pool answers requests while it is saturated (measured between answers
-        while requests waited; before that, the workers' busy time per item shared by
-        the workers); then the request's own micro-batch takes the measured time from
-        dispatch to answer."""
-        service = self._service_s
-        if service is None or self.item_s is None:
-            return None
-        per = self._drain_s if self._drain_s is not None else self.item_s / self.concurrency
+        requests waiting ahead of it: at this priority or higher), or None before any
+        micro-batch was answered. See :class:`~aioloader._engine.admission.CostModel`."""
         ahead = sum(n for p, n in self._by_priority.items() if p >= priority)
-        return ahead * per + service, ahead
-
-    def _learn(self, unit: ServeUnit, now: float) -> None:
-        """A micro-batch was answered: learn the service time and the pool's drain rate."""
-        clock = now
-        service = now - unit.requests[0].dispatched
-        self._service_s = (
-            service if self._service_s is None else (1 - _ALPHA) * self._service_s + _ALPHA * service
-        )
-        if self._last_answer is not None:
-            per = (clock - self._last_answer) / unit.size
-            self._drain_s = per if self._drain_s is None else (1 - _ALPHA) * self._drain_s + _ALPHA * per
-        self._last_answer = clock if self.waiting else None
-
-    def _calibrate(self, actual: float, estimate: float) -> None:
-        """An admitted request was answered ``actual`` seconds after ``submit()``: correct
-        later estimates by how far off its own was (loop, pipe and pickling overheads the
-        model leaves out, a pool slower than its workers' busy time says)."""
-        if estimate <= 0.0:  # (a clock too coarse to time the fastest answers says nothing)
-            return
-        misses = self._misses
-        misses.append(actual - self._ratio * estimate)
-        self._ratio += _GAIN * (actual / estimate - self._ratio)
-        self._answers += 1
-        # (often at first, while a few answers already say much more than none)
-        if self._answers % (_TAIL_EVERY if self._answers > 4 * _TAIL_EVERY else 8) == 0:
-            self._tail = max(0.0, float(np.percentile(np.fromiter(misses, np.float64, len(misses)), _TAIL_Q)))
+        est = self.model.estimate(ahead)
+        return None if est is None else (est, ahead)
 
     def _admit(self, priority: int, deadline: float) -> float | None:
-        """The estimated seconds to an answer, or raise ``Overloaded`` if that passes
-        ``deadline``. The raw estimate is corrected by what past estimates missed by: scaled
-        by their mean actual/estimated ratio, plus the 99.9th percentile of what the
-        scaled estimates still missed (stalls of the loop or of the machine)."""
+        """The estimated seconds to an answer, or raise ``Overloaded`` if the corrected
+        estimate passes ``deadline``."""
         est = self.estimate(priority)
         if est is None or (not self.waiting and not self.outstanding):
             return est[0] if est is not None else None  # (nothing ahead: it goes at once)
-        expected = est[0] * max(1.0, self._ratio) + self._tail
+        expected = self.model.corrected(est[0])
         if expected > deadline:
             self.counters.rejected += 1
             self.counters.rejected_late += 1
@@ -284,13 +228,6 @@ class RequestQueue:
                 estimate=expected,
             )
         return est[0]
-
-    def observe(self, unit: Any, busy_ns: int) -> None:
-        """A micro-batch kept its worker busy ``busy_ns``: learn the cost of one item."""
-        size = getattr(unit, "size", 0)
-        if size:
-            t = busy_ns / 1e9 / size
-            self.item_s = t if self.item_s is None else (1 - _ALPHA) * self.item_s + _ALPHA * t
 
     def _left(self, req: Request) -> None:
         """``req`` left the heap (dispatched, cancelled or expired there)."""
@@ -380,7 +317,8 @@ class RequestQueue:
         return None
 
     def _too_late(self, req: Request) -> bool:
-        return req.due is not None and self.item_s is not None and _clock() + self.item_s > req.due
+        item_s = self.model.item_s
+        return req.due is not None and item_s is not None and _clock() + item_s > req.due
 
     async def next_unit(self) -> ServeUnit | None:
         loop = self.loop
@@ -442,7 +380,7 @@ class RequestQueue:
         self._wake()  # a worker is free: a micro-batch being filled may go now
         now = _clock()
         if error is None:  # (a timed-out or crashed micro-batch says nothing of the cost)
-            self._learn(unit, now)
+            self.model.answered(unit.size, unit.requests[0].dispatched, now, self.waiting > 0)
         answered: list[tuple[float, float]] = []  # (seconds from submit, estimate)
         for k, req in enumerate(unit.requests):
             self.outstanding.discard(req)
@@ -467,7 +405,7 @@ class RequestQueue:
                 self.counters.completed += 1
                 req.future.set_result(out)
         for actual, estimate in answered:
-            self._calibrate(actual, estimate)
+            self.model.calibrate(actual, estimate)
 
     async def aclose(self) -> None:
         """Fail every request not yet answered, and every blocked submitter."""
