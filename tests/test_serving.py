@@ -370,3 +370,21 @@ def test_new_errors_pickle_whole() -> None:
     ):
         back = pickle.loads(pickle.dumps(exc))
         assert type(back) is type(exc) and str(back) == str(exc) and back.__dict__ == exc.__dict__
+
+
+@pytest.mark.asyncio
+async def test_a_request_late_at_a_worker_calibrates_with_its_real_answer_time() -> None:
+    # Its deadline is only a lower bound on when it would have been answered: the
+    # correction learns from the answer when it comes, not from the deadline.
+    q = _queue(batch_size=1)
+    q.model.item_s, q.model.service_s, q.model.drain_s = 0.001, 0.001, 0.001
+    q.idle = lambda: True
+    f = await q.put("x", 0, 0.02, False)  # nothing ahead: admitted, estimated at 1 ms
+    unit = await q.next_unit()
+    assert unit is not None
+    with pytest.raises(DeadlineExceeded, match="still at a worker"):
+        await f
+    assert q.model.ratio == 1.0  # not calibrated by the deadline
+    q.resolve(unit, ["late"], None)  # the answer comes 20 ms or more after submit()
+    assert q.model.ratio > 1 + (20 - 1) / 8 - 1e-9  # 1/8 of the way to actual/estimate >= 20
+    await q.aclose()
