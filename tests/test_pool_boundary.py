@@ -430,7 +430,10 @@ def test_a_future_left_unsettled_by_a_retired_generation_is_reported_lost() -> N
 
         async def main() -> str:
             waiting = asyncio.ensure_future(pool.result(stranded))
-            await asyncio.sleep(0)  # one loop turn: the task runs up to its first wait
+            for _ in range(10_000):  # loop turns until the task waits (bounded, not timed)
+                if stranded.waiter is not None or waiting.done():
+                    break
+                await asyncio.sleep(0)
             assert stranded.waiter is not None and not waiting.done()  # it waits on its waiter
             await asyncio.get_running_loop().run_in_executor(None, _pool._release_stranded, gen)
             try:

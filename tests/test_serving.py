@@ -6,7 +6,7 @@ import asyncio
 import concurrent.futures as cf
 import pickle
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,16 @@ def _reset() -> Iterator[None]:
     H.reset()
     yield
     H.hold.set()  # never leave a worker thread blocked
+
+
+async def _until(cond: Callable[[], bool], what: str) -> None:
+    """Run turns of the event loop until ``cond`` holds: a bounded wait on state the test
+    can see (each turn lets every ready task run once), never a timed sleep."""
+    for _ in range(10_000):
+        if cond():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"never happened: {what}")
 
 
 async def _wait_entered() -> None:
@@ -64,8 +74,8 @@ async def test_cancelled_before_dispatch_never_reaches_a_worker() -> None:
         first = asyncio.ensure_future(b.submit("hold"))
         await _wait_entered()  # the only slot is busy: the next item waits in the queue
         doomed = asyncio.ensure_future(b.submit("doomed"))
-        await asyncio.sleep(0)  # let it enter the queue (no timing: one loop turn)
-        assert b.stats().waiting == 1  # the turn was enough: it is queued, not yet dispatched
+        await _until(lambda: b.stats().waiting == 1, "the request to be queued")
+        assert b.stats().waiting == 1  # it is queued, not yet dispatched
         doomed.cancel()
         with pytest.raises(asyncio.CancelledError):
             await doomed
@@ -128,8 +138,8 @@ async def test_a_request_that_would_answer_past_its_deadline_is_refused_at_once(
             await b.submit("late", deadline=0.0)  # work is ahead of it: no estimate fits 0 s
         assert info.value.estimate is not None and info.value.estimate > 0
         roomy = asyncio.ensure_future(b.submit("roomy", deadline=60.0))
-        await asyncio.sleep(0)  # (one loop turn: it is admitted and queued, not refused)
-        assert b.stats().waiting == 1
+        await _until(lambda: b.stats().waiting == 1 or roomy.done(), "the request to be admitted")
+        assert b.stats().waiting == 1  # admitted and queued, not refused
         H.hold.set()
         assert await asyncio.gather(first, roomy) == ["hold", "roomy"]
         st = b.stats()
@@ -178,7 +188,7 @@ async def test_a_request_cancelled_or_expired_while_its_micro_batch_fills_is_not
     gone = await q.put("cancelled", 0, None, False)
     late = await q.put("expires", 0, 0.02, False)
     cut = asyncio.ensure_future(q.next_unit())
-    await asyncio.sleep(0)  # (one turn of the loop) the cut takes both and waits for more
+    await _until(lambda: q.waiting == 0, "the cut to take both")  # and wait for more
     assert not cut.done() and q.waiting == 0
     gone.cancel()
     with pytest.raises(DeadlineExceeded) as info:
@@ -217,7 +227,7 @@ async def test_room_lets_in_every_blocked_submitter_it_can() -> None:
     q = _queue(batch_size=2, max_pending=2)
     held = [await q.put(i, 0, None, False) for i in range(2)]
     blocked = [asyncio.ensure_future(q.put(f"b{i}", 0, None, True)) for i in range(3)]
-    await asyncio.sleep(0)
+    await _until(lambda: len(q._room) == 3, "the three submitters to wait for room")
     assert len(q._room) == 3
     q.idle = lambda: True
     unit = await q.next_unit()  # two leave the queue: room for two, first come first served
@@ -235,7 +245,7 @@ async def test_close_fails_the_requests_of_a_micro_batch_being_filled() -> None:
     q = _queue()
     filling = await q.put("filling", 0, None, False)
     cut = asyncio.ensure_future(q.next_unit())
-    await asyncio.sleep(0)
+    await _until(lambda: q.waiting == 0, "the cut to take the request")
     cut.cancel()  # the run's producer is cancelled first when a Batcher closes
     with pytest.raises(asyncio.CancelledError):
         await cut
@@ -248,11 +258,11 @@ async def test_close_fails_the_requests_of_a_micro_batch_being_filled() -> None:
 async def test_dead_requests_release_their_items_and_the_heap_stays_bounded() -> None:
     q = _queue(max_pending=16)  # nothing is ever cut: every window slot busy
     reqs: list[asyncio.Future[Any]] = []
-    for _ in range(150):
+    for k in range(150):
         batch = [await q.put(bytearray(1024), 0, None, False) for _ in range(16)]
         for f in batch:
             f.cancel()
-        await asyncio.sleep(0)  # (their done callbacks run on the next turn)
+        await _until(lambda: q.counters.cancelled_queued == 16 * (k + 1), "the cancels to be counted")  # noqa: B023
         reqs += batch
     assert q.waiting == 0 and q.counters.cancelled_queued == 2400
     assert len(q.heap) <= 1024 + 16  # compacted, not 2,400 dead entries
@@ -282,8 +292,8 @@ async def test_higher_priority_is_dispatched_first_fifo_within() -> None:
         await _wait_entered()
         order = [("low-1", 0), ("high-1", 5), ("low-2", 0), ("high-2", 5), ("mid", 1)]
         tasks = [asyncio.ensure_future(b.submit(name, priority=p)) for name, p in order]
-        await asyncio.sleep(0)  # all of them are queued behind the held call
-        assert b.stats().waiting == len(order)
+        await _until(lambda: b.stats().waiting == len(order), "all of them to be queued")
+        assert b.stats().waiting == len(order)  # behind the held call
         H.hold.set()
         await asyncio.gather(first, *tasks)
     assert H.calls == ["hold", "high-1", "high-2", "mid", "low-1", "low-2"]
@@ -295,12 +305,12 @@ async def test_admission_control_rejects_at_once_or_waits_with_block() -> None:
         first = asyncio.ensure_future(b.submit("hold"))
         await _wait_entered()
         queued = [asyncio.ensure_future(b.submit(i)) for i in (1, 2)]
-        await asyncio.sleep(0)
+        await _until(lambda: b.stats().waiting == 2, "both to be queued")
         assert b.stats().waiting == 2
         with pytest.raises(Overloaded, match="max_pending=2"):
             await b.submit(3)
         waiter = asyncio.ensure_future(b.submit(4, block=True))
-        await asyncio.sleep(0)
+        await _until(lambda: b._queue is not None and len(b._queue._room) == 1, "it to wait for room")
         assert not waiter.done()
         H.hold.set()
         assert await asyncio.gather(first, *queued, waiter) == ["hold", 1, 2, 4]
@@ -342,7 +352,7 @@ async def test_close_fails_waiting_requests_and_refuses_new_ones() -> None:
     first = asyncio.ensure_future(b.submit("hold"))
     await _wait_entered()
     waiting = asyncio.ensure_future(b.submit("never"))
-    await asyncio.sleep(0)
+    await _until(lambda: b.stats().waiting == 1, "the request to be queued")
     H.hold.set()
     await b.aclose()
     for t in (first, waiting):

@@ -148,7 +148,6 @@ class RequestQueue:
     async def put(self, item: Any, priority: int, deadline: float | None, block: bool) -> asyncio.Future[Any]:
         loop = self.loop
         called = _clock()
-        waited = False
         while self.waiting + self._woken >= self.max_pending and not self.closed:
             if not block:
                 self.counters.rejected += 1
@@ -158,12 +157,10 @@ class RequestQueue:
                     estimate=None,
                 )
             await self._wait_for_room(called, deadline)
-            waited = True
         if self.closed:
             raise LoaderClosedError("the Batcher was closed")
+        # (let in at its deadline, its timer below fires at once: no special case)
         now = _clock()
-        if waited and deadline is not None and now >= called + deadline:
-            raise self._no_room_in_time(deadline)
         estimate = self._admit(priority, deadline) if deadline is not None and not block else None
         req = Request(next(self._ids), item, loop.create_future(), now, priority)
         if deadline is not None:
@@ -182,26 +179,21 @@ class RequestQueue:
         room = self.loop.create_future()
         self._room.append(room)
         try:
-            if deadline is None:
-                await room
-            else:
-                await asyncio.wait_for(room, max(0.0, called + deadline - _clock()))
+            await asyncio.wait_for(room, None if deadline is None else max(0.0, called + deadline - _clock()))
         except asyncio.TimeoutError:
-            raise self._no_room_in_time(deadline) from None
+            assert deadline is not None
+            self.counters.expired += 1
+            raise DeadlineExceeded(
+                f"the request waited past its deadline of {deadline} s for room in the queue "
+                f"(max_pending={self.max_pending})",
+                deadline=deadline,
+                dispatched=False,
+            ) from None
         finally:
             if room in self._room:
                 self._room.remove(room)
             elif room.done() and not room.cancelled():
                 self._woken -= 1  # let in by _make_room: now counted by waiting, or gone
-
-    def _no_room_in_time(self, deadline: float | None) -> DeadlineExceeded:
-        self.counters.expired += 1
-        return DeadlineExceeded(
-            f"the request waited past its deadline of {deadline} s for room in the queue "
-            f"(max_pending={self.max_pending})",
-            deadline=deadline,
-            dispatched=False,
-        )
 
     def estimate(self, priority: int) -> tuple[float, int] | None:
         """(seconds until a request of ``priority`` submitted now would be answered, the
@@ -278,9 +270,9 @@ class RequestQueue:
                 self._left(req)
                 if len(self.heap) > 2 * self.waiting + 1024:
                     self._compact()
+                self._make_room()
             if req.future.cancelled():
                 self.counters.cancelled_queued += 1
-            self._make_room()
         elif state == _DISPATCHED and req.future.cancelled():
             self.counters.cancelled_dispatched += 1  # its result is dropped on arrival
 

@@ -95,9 +95,9 @@ class Contender:
 class BatcherContender(Contender):
     name = "batcher"
 
-    def __init__(self, workers: int, **kw: Any) -> None:
-        self.batcher: aioloader.Batcher[np.ndarray] = aioloader.Batcher(
-            preprocess, batch_size=16, max_latency=0.002, num_workers=workers, **kw
+    def __init__(self, workers: int, fn: Callable[[bytes], Any] = preprocess, **kw: Any) -> None:
+        self.batcher: aioloader.Batcher[Any] = aioloader.Batcher(
+            fn, batch_size=16, max_latency=0.002, num_workers=workers, **kw
         )
 
     async def start(self) -> None:
@@ -113,12 +113,13 @@ class BatcherContender(Contender):
 class NaiveContender(Contender):
     name = "naive"
 
-    def __init__(self, workers: int) -> None:
+    def __init__(self, workers: int, fn: Callable[[bytes], Any] = preprocess) -> None:
         # The same start method as aioloader's workers, so only the dispatch differs.
         self.pool = cf.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("forkserver"))
+        self.fn = fn
 
     async def call(self, body: bytes) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self.pool, preprocess, body)
+        return await asyncio.get_running_loop().run_in_executor(self.pool, self.fn, body)
 
     async def stop(self) -> None:
         self.pool.shutdown()
@@ -254,33 +255,28 @@ async def low_load(workers: int, jpegs: list[bytes], n: int) -> dict[str, float]
         preprocess(body)
         fn_times.append(time.perf_counter() - t)
     out: dict[str, float] = {"fn_main_p50_ms": statistics.median(fn_times) * 1e3}
-    batcher: aioloader.Batcher[tuple[np.ndarray, float]] = aioloader.Batcher(
-        timed_preprocess, batch_size=16, max_latency=0.002, num_workers=workers, max_pending=1024
-    )
-    pool = cf.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("forkserver"))
-    loop = asyncio.get_running_loop()
-    calls: dict[str, Callable[[bytes], Awaitable[tuple[np.ndarray, float]]]] = {
-        "batcher": batcher.submit,
-        "naive": lambda body: loop.run_in_executor(pool, timed_preprocess, body),
-    }
+    contenders: list[Contender] = [
+        BatcherContender(workers, timed_preprocess, max_pending=1024),
+        NaiveContender(workers, timed_preprocess),
+    ]
     try:
-        await batcher.__aenter__()
-        for name, call in calls.items():
-            await asyncio.gather(*(call(j) for j in jpegs[:32]))  # warm
+        for c in contenders:
+            await c.start()
+            await warm(c, jpegs)
             totals, added, fns = [], [], []
             for body in jpegs[:n]:
                 t = time.perf_counter()
-                _, fn_s = await call(body)
+                _, fn_s = await c.call(body)
                 total = time.perf_counter() - t
                 totals.append(total)
                 fns.append(fn_s)
                 added.append(total - fn_s)
-            out[f"{name}_p50_ms"] = statistics.median(totals) * 1e3
-            out[f"{name}_fn_p50_ms"] = statistics.median(fns) * 1e3
-            out[f"{name}_added_p50_ms"] = statistics.median(added) * 1e3
+            out[f"{c.name}_p50_ms"] = statistics.median(totals) * 1e3
+            out[f"{c.name}_fn_p50_ms"] = statistics.median(fns) * 1e3
+            out[f"{c.name}_added_p50_ms"] = statistics.median(added) * 1e3
     finally:
-        await batcher.aclose()
-        pool.shutdown()
+        for c in contenders:
+            await c.stop()
     return out
 
 
