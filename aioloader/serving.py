@@ -19,7 +19,8 @@ failed), timeouts, statistics and traces. What is particular to serving:
   ``max_pending`` requests already wait (``block=True`` waits for room instead), or when
   the request has a deadline that the Batcher estimates it would miss: the work ahead of
   it at its priority, drained at the rate the pool answers, plus the measured service
-  time, corrected by how far past estimates were off.
+  time, corrected by how far past estimates were off, must leave a fifth of the
+  deadline spare.
 """
 
 from __future__ import annotations
@@ -61,9 +62,11 @@ class BatcherStats:
     """Requests answered with their ``fn``'s exception (or their micro-batch's error)."""
     rejected: int
     """``submit()`` calls refused with ``Overloaded``: the queue held ``max_pending``, or
-    the estimated answer came after the request's ``deadline`` (``rejected_late``)."""
+    the estimated answer left less than a fifth of the request's ``deadline`` spare
+    (``rejected_late``)."""
     rejected_late: int
-    """Of ``rejected``: refused because their estimated answer came after their deadline."""
+    """Of ``rejected``: refused because their estimated answer came too close to (within
+    a fifth of) or after their deadline."""
     expired: int
     """Requests whose ``deadline`` passed before dispatch (no worker time used)."""
     expired_after_dispatch: int
@@ -115,7 +118,8 @@ class Batcher(LoaderBase, Generic[Batch]):
         num_workers: worker processes; ``0`` runs ``fn`` in one background thread.
         max_pending: most requests waiting for dispatch; beyond it ``submit()`` raises
             :class:`~aioloader.Overloaded` (or waits, with ``block=True``). A request with
-            a ``deadline`` is also refused when its estimated answer comes too late.
+            a ``deadline`` is also refused when its estimated answer would leave less than
+            a fifth of the deadline spare.
         prefetch: micro-batches dispatched at once (default ``num_workers + 1``: one per
             worker and one ready behind them; requests beyond that wait in the queue,
             where they can still be prioritised, cancelled or expired).

@@ -164,14 +164,16 @@ async def test_admission_estimate_and_dispatch_time_expiry() -> None:
     with pytest.raises(Overloaded) as info:
         await q.put("late", 0, 0.05, False)  # about 70 ms of work ahead of it
     assert info.value.estimate == pytest.approx(0.070)
-    soon = await q.put("soon", 5, 0.05, False)  # 40 ms at its priority: admitted
+    with pytest.raises(Overloaded, match="20% of a deadline spare"):
+        await q.put("edge", 5, 0.045, False)  # 40 ms at its priority: in time, but too close
+    soon = await q.put("soon", 5, 0.06, False)  # 40 ms at its priority: two thirds of 60 ms
     q.model.item_s = 10.0  # now one item takes longer than any deadline left
     unit = await q.next_unit()
     assert unit is not None and [r.item for r in unit.requests] == [0, 1, 0, 1]  # priority 5 first
     with pytest.raises(DeadlineExceeded, match="less time left than one item") as late:
         await soon
     assert late.value.dispatched is False
-    assert (q.counters.rejected_late, q.counters.expired) == (1, 1)
+    assert (q.counters.rejected_late, q.counters.expired) == (2, 1)
     await q.aclose()
     # dispatched or still queued, every request is failed by the close, none left pending
     assert all(isinstance(f.exception(), LoaderClosedError) for f in futures)

@@ -41,7 +41,7 @@ import numpy as np
 
 from .. import _stream_worker
 from ..errors import DeadlineExceeded, LoaderClosedError, Overloaded
-from .admission import CostModel
+from .admission import HEADROOM, CostModel
 from .epochs import WorkerSide
 
 __all__ = ["Request", "RequestQueue", "ServeCounters", "ServeUnit"]
@@ -210,12 +210,13 @@ class RequestQueue:
         if est is None or (not self.waiting and not self.outstanding):
             return est[0] if est is not None else None  # (nothing ahead: it goes at once)
         expected = self.model.corrected(est[0])
-        if expected > deadline:
+        if not self.model.fits(expected, deadline):
             self.counters.rejected += 1
             self.counters.rejected_late += 1
             raise Overloaded(
                 f"the Batcher would answer this request in about {expected * 1e3:.1f} ms "
-                f"({est[1]} requests ahead of it), past its deadline of {deadline} s",
+                f"({est[1]} requests ahead of it), too close to or past its deadline of "
+                f"{deadline} s (admission keeps {HEADROOM:.0%} of a deadline spare)",
                 max_pending=self.max_pending,
                 estimate=expected,
             )
