@@ -29,6 +29,12 @@ def test_bench_serve_smallest_run_writes_every_part(tmp_path: Path) -> None:
     for name in ("batcher", "naive", "stream"):
         (row,) = result["sweeps"][name]
         assert row["rate"] == 50 and row["errors"] == 0 and row["p99_ms"] is not None
+    # the compute bound is measured in each repetition, and each knee is a share of it
+    (bound,) = result["compute_bound_by_rep"]
+    assert bound > 0 and result["compute_bound"] == bound
+    for name in ("batcher", "naive", "stream"):
+        (share,) = result["share_of_bound_by_rep"][name]
+        assert share == pytest.approx(result["best_rate_by_rep"][name][0] / bound)
     low = result["low_load"]
     for name in ("batcher", "naive"):
         # each request's added time is its round trip less its own fn time in the worker
