@@ -39,6 +39,13 @@ import concurrent.futures.process  # its exit hook must be registered before our
 import concurrent.futures.thread  # noqa: F401
 import contextlib
 import gc
+
+# What multiprocessing imports when the first process pool is made (its locks, shared
+# values, the forkserver's Popen): imported with aioloader instead, not inside the first
+# iteration's time to its first batch.
+import multiprocessing.popen_forkserver
+import multiprocessing.sharedctypes
+import multiprocessing.synchronize  # noqa: F401
 import os
 import signal
 import threading

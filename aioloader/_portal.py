@@ -15,7 +15,7 @@ import contextlib
 import sys
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from .errors import LoaderClosedError
@@ -25,13 +25,16 @@ __all__ = ["Portal", "new_event_loop"]
 T = TypeVar("T")
 
 
+try:  # imported with aioloader: not inside the first ``for``'s time to its first batch
+    import uvloop
+
+    _loop_factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+except ImportError:  # pragma: no cover - uvloop is a dependency on POSIX
+    _loop_factory = asyncio.new_event_loop
+
+
 def new_event_loop() -> asyncio.AbstractEventLoop:
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a dependency on POSIX
-        return asyncio.new_event_loop()
-    loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
-    return loop
+    return _loop_factory()
 
 
 class Portal:

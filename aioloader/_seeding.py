@@ -30,6 +30,11 @@ from typing import Any, Literal
 
 import numpy as np
 
+# numpy imports numpy.random on first use (15-20 ms, 13 modules). Import it with the worker
+# side instead: a forkserver forked from (or preloading) this module hands it to every
+# worker, whose first batch would otherwise pay for it.
+import numpy.random
+
 __all__ = [
     "BatchSeeds", "SeedMode", "batch_key", "enter_sample", "sample_key", "sample_rng", "sample_seed", "sample_seeds",
     "seed_sample", "seed_worker", "start_batch",

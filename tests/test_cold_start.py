@@ -136,3 +136,52 @@ def test_the_forkserver_is_spawned_when_forking_is_not_safe_or_not_wanted(
     assert importers[0] == out["consumer"] and len(importers) > 1
     # ...and ran the script's top level again, as ``__mp_main__``: once in each worker.
     assert stdout.count("before the loader") == 3
+
+
+# What a worker imports while it builds its first batch, after its start (worker_init_fn):
+# a lazily imported module there (numpy.random was one, 13 modules and 13-19 ms) is paid
+# for by every worker before the first batch. The consumer's first iteration likewise.
+FIRST_IMPORTS = '''
+import json, os, sys
+import aioloader
+
+_at_init = None
+
+def note_modules(worker_id):
+    global _at_init
+    _at_init = set(sys.modules)
+
+class Imports:
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        return sorted(set(sys.modules) - _at_init)
+
+def first(batch):
+    return batch
+
+if __name__ == "__main__":
+    loader = aioloader.DataLoader(Imports(), 8, shuffle=True, seed=1, num_workers=2, worker_init_fn=note_modules,
+                                  collate_fn=first)
+    before = set(sys.modules)
+    it = iter(loader)
+    batch = next(it)
+    consumer = sorted(m for m in set(sys.modules) - before if not m.startswith(("uvloop", "asyncio")))
+    worker = sorted({m for sample in batch + [s for b in it for s in b] for m in sample})
+    loader.close()
+    print(json.dumps({"consumer": consumer, "worker": worker}))
+'''
+
+
+@pytest.mark.parametrize("forkserver", ["forked", "spawned"])
+def test_the_first_batch_imports_nothing_in_a_worker_or_in_the_consumer(tmp_path: Path, forkserver: str) -> None:
+    script = tmp_path / "first.py"
+    script.write_text(FIRST_IMPORTS)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    env["AIOLOADER_FORKSERVER"] = "spawn" if forkserver == "spawned" else ""
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=150, env=env, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert out["worker"] == []  # seeding, reading and collating a shuffled batch
+    assert out["consumer"] == []  # the plan (its shuffle keys), the pool, the engine
