@@ -478,6 +478,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--png", type=Path, default=None, help="draw the chart here (e.g. docs/remote.png)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    # Every contender runs as users' programs do, with bytecode caching: where the environment
+    # turns it off (PYTHONDONTWRITEBYTECODE, as on this project's machine), each fresh
+    # interpreter (the contenders' processes, a spawned forkserver) compiles its modules
+    # from source, which weighs on start-up times and on memory.
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
     if args.child is not None:
         return child_main(json.loads(args.child))
 

@@ -686,6 +686,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--redraw", type=Path, default=None, help="only draw --png from this --json file")
     args = parser.parse_args(argv)
+    # Every loader runs as users' programs do, with bytecode caching: where the environment
+    # turns it off (PYTHONDONTWRITEBYTECODE, as on this project's machine), each fresh
+    # interpreter (every child, a spawned forkserver, Grain's workers) compiles its modules
+    # from source, which weighs on start-up times, and the garbage it leaves moves the
+    # cyclic collector's first full pass into a loader's cold start.
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
     if args.child is not None:
         return child_main(json.loads(args.child))
     if args.redraw is not None:
