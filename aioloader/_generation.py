@@ -39,13 +39,6 @@ import concurrent.futures.process  # its exit hook must be registered before our
 import concurrent.futures.thread  # noqa: F401
 import contextlib
 import gc
-
-# What multiprocessing imports when the first process pool is made (its locks, shared
-# values, the forkserver's Popen): imported with aioloader instead, not inside the first
-# iteration's time to its first batch.
-import multiprocessing.popen_forkserver
-import multiprocessing.sharedctypes
-import multiprocessing.synchronize  # noqa: F401
 import os
 import signal
 import threading
@@ -61,6 +54,14 @@ from typing import Any
 
 from . import _byvalue, _forkserver, _reply, _worker
 from ._slots import Slots
+
+# What multiprocessing imports when the first process pool is made (its locks, shared
+# values, the forkserver's Popen): imported with aioloader instead, not inside the first
+# iteration's time to its first batch. (A platform without them fails later, as before.)
+with contextlib.suppress(ImportError):
+    import multiprocessing.popen_forkserver
+    import multiprocessing.sharedctypes
+    import multiprocessing.synchronize  # noqa: F401
 
 __all__ = ["CrashInfo", "Generation", "Rows", "concurrency_of", "describe_exit", "interpreter_exiting"]
 
