@@ -149,7 +149,9 @@ def test_validator_rejects_what_tools_reject() -> None:
 # ------------------------------------------------------------------ the traces
 def test_trace_file_has_worker_tracks_and_consumer_waits(collect, tmp_path: Path) -> None:
     path = tmp_path / "run.json"
-    loader = aioloader.DataLoader(RangeDataset(24), 4, num_workers=2, trace=path)
+    # One batch a task: batches this cheap would otherwise go several to a task, as soon as
+    # the workers' first batches showed them cheap (one span per group, tested below).
+    loader = aioloader.DataLoader(RangeDataset(24), 4, num_workers=2, trace=path, batches_per_task=1)
     with loader:
         collect(loader)
         pids = set(loader.worker_pids())
@@ -166,6 +168,17 @@ def test_trace_file_has_worker_tracks_and_consumer_waits(collect, tmp_path: Path
     assert len(waits) == 6 and len({(e["pid"], e["tid"]) for e in waits}) == 1
     names = {e["args"]["name"] for e in doc["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"}
     assert "consumer (main process)" in names and any(n.startswith("worker pid") for n in names)
+
+
+def test_a_group_of_batches_is_one_span_naming_its_batches(tmp_path: Path) -> None:
+    path = tmp_path / "groups.json"
+    with aioloader.DataLoader(
+        RangeDataset(16), 4, num_workers=1, prefetch=4, batches_per_task=2, prefetch_next_epoch=False, trace=path
+    ) as loader:
+        assert [y.tolist() for _, y in loader] == [list(range(k, k + 4)) for k in range(0, 16, 4)]
+    threads = validate_trace(path.read_text())
+    names = sorted(e["name"] for e in _spans(json.loads(path.read_text()), threads, "batches"))
+    assert names == ["the group of batches 0-1 of epoch 0", "the group of batches 2-3 of epoch 0"]
 
 
 def test_stream_trace_is_valid(collect, tmp_path: Path) -> None:
@@ -202,8 +215,11 @@ def test_overlapping_spans_of_a_track_are_spread_over_tracks(tmp_path: Path) -> 
 
 
 def test_tracing_context_manager_covers_only_its_block(tmp_path: Path) -> None:
-    # (no speculative prefetch: it would build epoch 1's first batch before the block)
-    with aioloader.DataLoader(RangeDataset(12), 4, num_workers=1, prefetch_next_epoch=False) as loader:
+    # (no speculative prefetch: it would build epoch 1's first batch before the block; one
+    # batch a task, so that each batch has a span of its own)
+    with aioloader.DataLoader(
+        RangeDataset(12), 4, num_workers=1, prefetch_next_epoch=False, batches_per_task=1
+    ) as loader:
         list(loader)
         with loader.tracing(tmp_path / "second.json"):
             list(loader)
