@@ -177,3 +177,29 @@ def batches_key(batches: list[Any]) -> list[tuple[bytes, tuple[int, ...]]]:
     for data, labels in batches:
         out.append((np.asarray(data).tobytes(), tuple(int(x) for x in np.asarray(labels))))
     return out
+
+
+class Blob:
+    """A fetched value whose copies in the main process can be watched (weakly)."""
+
+    __slots__ = ("__weakref__", "data")
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Blob, (self.data,))
+
+
+LIVE_BLOBS: weakref.WeakSet[Blob] = weakref.WeakSet()  # the Blobs fetch_blob made, while alive
+
+
+async def fetch_blob(key: int) -> Blob:
+    blob = Blob(bytes([key % 256]) * 64)
+    LIVE_BLOBS.add(blob)
+    return blob
+
+
+def blob_key(blob: Blob) -> int:
+    """The worker-side transform: the key the Blob was fetched for."""
+    return blob.data[0]

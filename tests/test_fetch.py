@@ -8,6 +8,7 @@ the peak of concurrent ones, so bounds and refetches are measured where they hap
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,6 +23,7 @@ from aioloader._engine.fetch import Then, is_transient, nbytes
 
 from ._fetch_helpers import (
     FILE_SIZE,
+    LIVE_BLOBS,
     MISSING,
     CrashOnce,
     HttpFetch,
@@ -31,8 +33,10 @@ from ._fetch_helpers import (
     Server,
     add_one,
     batches_key,
+    blob_key,
     decode,
     decode_plain,
+    fetch_blob,
     make_files,
 )
 from .conftest import ctrl_c, wait_until
@@ -256,6 +260,44 @@ def test_worker_crash_resubmits_without_refetch(tmp_path: Path, server: Server, 
     assert got == reference(files, batch_size=4, shuffle=True, seed=5)
     assert server.stats()["counts"] == one_each(files[1])  # the crashed batch was not fetched again
     assert st.restarts >= 1 and st.fetches == len(files[1])
+
+
+def _no_blob_alive() -> bool:
+    gc.collect()
+    return not LIVE_BLOBS
+
+
+@pytest.mark.parametrize("face", ["for", "async-for"])
+def test_a_built_batch_waiting_for_its_consumer_keeps_no_fetched_values(face: str) -> None:
+    # The consumer takes one batch and stops: the window's other units are fetched, built
+    # and wait for it. A resubmission would need their fetched values only while they are
+    # at the pool; once built, the main process must not hold them until they are taken.
+    keys = list(range(20))
+    expected = [list(range(k, k + 4)) for k in range(0, 20, 4)]
+    LIVE_BLOBS.clear()
+    with aioloader.DataLoader(
+        keys, 4, num_workers=1, prefetch=3, fetch=fetch_blob, transform=blob_key, prefetch_next_epoch=False
+    ) as dl:
+        if face == "for":
+            it = iter(dl)
+            got = [next(it).tolist()]
+            wait_until(_no_blob_alive, 30.0, "the built batches' fetched values to be dropped")
+            got += [b.tolist() for b in it]
+        else:
+
+            async def consume() -> list[list[int]]:
+                ait = dl.__aiter__()
+                first = [(await ait.__anext__()).tolist()]
+                for _ in range(6000):  # a bounded wait on an observable state (30 s)
+                    if _no_blob_alive():
+                        break
+                    await asyncio.sleep(0.005)
+                assert _no_blob_alive(), "the built batches' fetched values were not dropped"
+                return first + [b.tolist() async for b in ait]
+
+            got = asyncio.run(consume())
+        assert dl.stats().fetches == len(keys)
+    assert got == expected
 
 
 def _slow_items(files: Files, n: int) -> list[tuple[str, int]]:

@@ -16,6 +16,7 @@ from .. import _stream_worker
 from ..errors import add_note as _add_note
 from .epochs import WorkerSide
 from .feeds import EXHAUSTED, TIMEOUT, Feed
+from .fetch import DROPPED
 
 __all__ = ["Batcher", "StreamUnit"]
 
@@ -47,6 +48,8 @@ class StreamUnit:
         return range(self.first, self.first + self.size)
 
     def make_task(self, task_id: int, with_payload: bool) -> _stream_worker.StreamTask:
+        if self.items is DROPPED:
+            raise RuntimeError(f"aioloader: {self.label} was submitted again after its fetched items were dropped")
         side = self._side
         payload = side.inline if side.inline is not None else side.payload() if with_payload else None
         return _stream_worker.StreamTask(
@@ -60,6 +63,10 @@ class StreamUnit:
         """The items are fetched: ``kept`` source positions (those not skipped), their values."""
         self.items = values
         self.positions = kept
+
+    def drop_fetched(self) -> None:
+        """Its micro-batch is built, or failed for good: the fetched items are not needed again."""
+        self.items = DROPPED
 
 
 class Batcher:

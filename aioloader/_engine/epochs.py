@@ -22,6 +22,7 @@ from .. import _worker
 from .._plan.sampler import EpochPlan
 from .._stats import Recorder
 from ..errors import TooManySkippedError, add_note
+from .fetch import DROPPED
 from .run import Run, add_context
 
 __all__ = ["Cursor", "EpochPass", "EpochSource", "EpochUnit", "Parked", "WorkerSide"]
@@ -108,6 +109,8 @@ class EpochUnit:
         return f"batch {self.key} of epoch {self.group}"
 
     def make_task(self, task_id: int, with_payload: bool) -> _worker.BatchTask:
+        if self.values is DROPPED:  # a worker would read dataset[i], the keys, instead
+            raise RuntimeError(f"aioloader: {self.label} was submitted again after its fetched samples were dropped")
         side = self.side
         payload = side.payload() if with_payload else None
         return _worker.BatchTask(
@@ -127,6 +130,10 @@ class EpochUnit:
         """The unit's samples are fetched: ``kept`` indices (those not skipped), their values."""
         self._packed = np.asarray(kept, dtype=np.int64).tobytes()
         self.values = values
+
+    def drop_fetched(self) -> None:
+        """Its batch is built, or failed for good: the fetched samples are not needed again."""
+        self.values = DROPPED
 
 
 class EpochSource:

@@ -40,9 +40,18 @@ from .._stats import Recorder
 from .._validate import check_int
 from ..errors import LoaderTimeout, add_note
 
-__all__ = ["FetchConfig", "FetchStage", "Then", "is_transient", "nbytes", "resolve_remote"]
+__all__ = ["DROPPED", "FetchConfig", "FetchStage", "Then", "is_transient", "nbytes", "resolve_remote"]
 
 DEFAULT_IO_BUFFER = 256 << 20
+
+
+class _Dropped:
+    def __repr__(self) -> str:
+        return "<fetched values dropped>"
+
+
+# What a unit holds in place of its fetched values once its dispatch is over (see run()).
+DROPPED: Any = _Dropped()
 BACKOFF_BASE_S = 0.05  # first retry after ~50 ms, doubling, jittered by +-50 %
 BACKOFF_CAP_S = 2.0
 
@@ -302,8 +311,9 @@ class FetchStage:
     async def run(self, unit: Any, dispatch: Callable[[Callable[[int, bool], Any]], Awaitable[Any]]) -> Any:
         """Fetch ``unit``'s items, then ``await dispatch(make_task)`` with the values
         (released from the byte budget when the task is first built, that is, when it
-        is handed to the pool). Returns the dispatch's result with the samples whose
-        fetch failed for good added to its ``skipped``."""
+        is handed to the pool, and dropped by the unit once the dispatch is over).
+        Returns the dispatch's result with the samples whose fetch failed for good added
+        to its ``skipped``."""
         uid = id(unit)
         state = self.units[uid] = _UnitState()
         t0 = time.monotonic_ns()
@@ -334,7 +344,12 @@ class FetchStage:
                 self._release(uid)
                 return unit.make_task(task_id, with_payload)
 
-            res = await dispatch(make_task)
+            try:
+                res = await dispatch(make_task)
+            finally:
+                # Built (or failed for good): no resubmission will need the values, so a
+                # finished unit that waits for its consumer does not keep them too.
+                unit.drop_fetched()
             return res._replace(skipped=skipped + tuple(res.skipped)) if skipped else res
         finally:
             self._release(uid)
