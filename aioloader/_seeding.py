@@ -31,8 +31,9 @@ from typing import Any, Literal
 import numpy as np
 
 # numpy imports numpy.random on first use (15-20 ms, 13 modules). Import it with the worker
-# side instead: a forkserver forked from (or preloading) this module hands it to every
-# worker, whose first batch would otherwise pay for it.
+# side instead, which `import aioloader` loads too: the consumer's first shuffled plan
+# (its round keys) and every worker's first batch would otherwise pay for it, and a
+# forkserver forked from (or preloading) this module hands it to the workers.
 import numpy.random
 
 __all__ = [

@@ -137,6 +137,16 @@ def wait_until(cond: Callable[[], bool], timeout: float = 10.0, what: str = "con
         time.sleep(0.005)
 
 
+async def wait_until_async(cond: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
+    """:func:`wait_until` inside a coroutine: polls ``cond`` between turns of the running
+    loop (which go on meanwhile), with the same bound."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        await asyncio.sleep(0.005)
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """``@pytest.mark.torch`` tests skip where torch is not installed, except on
     :data:`TORCH_REQUIRED_ON`, where they fail instead of passing silently."""

@@ -7,7 +7,6 @@ import asyncio
 import collections
 import os
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,7 @@ import aioloader
 from aioloader._plan.sampler import epoch_permutation
 
 from ._datasets import PidDataset, RangeDataset, RecordingDataset
-from .conftest import descendant_workers, wait_until
+from .conftest import descendant_workers, wait_until, wait_until_async
 
 
 def reference_epochs(
@@ -214,10 +213,7 @@ def test_in_flight_bound_async(tmp_path: Path) -> None:
             for taken in range(1, total + 1):
                 await agen.__anext__()  # an async generator starts on its first __anext__
                 bound = min(taken + prefetch, total)
-                deadline = time.monotonic() + 20
-                while fetched_batches() < bound:
-                    assert time.monotonic() < deadline
-                    await asyncio.sleep(0.005)  # polling an observable condition
+                await wait_until_async(lambda b=bound: fetched_batches() >= b, 20, f"{bound} batches fetched")
                 seen.append(fetched_batches())
             await agen.aclose()
         return seen
@@ -243,8 +239,7 @@ class _Gate:
             )
 
     async def open_when_entered(self) -> None:
-        while not self.entered.is_set():
-            await asyncio.sleep(0.001)  # polling an observable condition
+        await wait_until_async(self.entered.is_set, 20, "the code off the loop to enter the gate")
         self.opened.set()
 
 

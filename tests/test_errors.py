@@ -29,7 +29,7 @@ from ._datasets import (
     failing_collate,
     failing_init,
 )
-from .conftest import ctrl_c, descendant_workers, shm_entries, wait_until
+from .conftest import ctrl_c, descendant_workers, shm_entries, wait_until, wait_until_async
 
 WORKERS = [pytest.param(0, id="thread"), pytest.param(2, id="processes")]
 
@@ -222,8 +222,7 @@ def test_cancelling_the_iterating_task(tmp_path: Path) -> None:
                 got.append(b)
 
         task = asyncio.create_task(consume())
-        while not arrived.exists():
-            await asyncio.sleep(0.005)  # polling a file the worker writes
+        await wait_until_async(arrived.exists, 60, "the worker to reach the gated sample")
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -581,8 +580,7 @@ def test_aclose_from_another_task_ends_iteration_with_loader_closed(tmp_path: Pa
                 outcome.append(exc)
 
         task = asyncio.create_task(consume())
-        while not arrived.exists():
-            await asyncio.sleep(0.005)  # polling a file the worker writes
+        await wait_until_async(arrived.exists, 60, "the worker to reach the gated sample")
         await loader.aclose()
         release.touch()
         await task

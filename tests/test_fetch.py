@@ -39,7 +39,7 @@ from ._fetch_helpers import (
     fetch_blob,
     make_files,
 )
-from .conftest import ctrl_c, wait_until
+from .conftest import ctrl_c, wait_until, wait_until_async
 
 Files = tuple[Path, list[tuple[str, int]]]
 
@@ -288,11 +288,7 @@ def test_a_built_batch_waiting_for_its_consumer_keeps_no_fetched_values(face: st
             async def consume() -> list[list[int]]:
                 ait = dl.__aiter__()
                 first = [(await ait.__anext__()).tolist()]
-                for _ in range(6000):  # a bounded wait on an observable state (30 s)
-                    if _no_blob_alive():
-                        break
-                    await asyncio.sleep(0.005)
-                assert _no_blob_alive(), "the built batches' fetched values were not dropped"
+                await wait_until_async(_no_blob_alive, 30.0, "the built batches' fetched values to be dropped")
                 return first + [b.tolist() async for b in ait]
 
             got = asyncio.run(consume())

@@ -16,7 +16,6 @@ from .. import _stream_worker
 from ..errors import add_note as _add_note
 from .epochs import WorkerSide
 from .feeds import EXHAUSTED, TIMEOUT, Feed
-from .fetch import DROPPED
 
 __all__ = ["Batcher", "StreamUnit"]
 
@@ -48,8 +47,6 @@ class StreamUnit:
         return range(self.first, self.first + self.size)
 
     def make_task(self, task_id: int, with_payload: bool) -> _stream_worker.StreamTask:
-        if self.items is DROPPED:
-            raise RuntimeError(f"aioloader: {self.label} was submitted again after its fetched items were dropped")
         side = self._side
         payload = side.inline if side.inline is not None else side.payload() if with_payload else None
         return _stream_worker.StreamTask(
@@ -65,8 +62,9 @@ class StreamUnit:
         self.positions = kept
 
     def drop_fetched(self) -> None:
-        """Its micro-batch is built, or failed for good: the fetched items are not needed again."""
-        self.items = DROPPED
+        """Called by the fetch stage once the unit's dispatch is over (built, or failed for
+        good): no task of it is made again, so the fetched items are not needed."""
+        self.items = []
 
 
 class Batcher:

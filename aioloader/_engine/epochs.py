@@ -22,7 +22,6 @@ from .. import _worker
 from .._plan.sampler import EpochPlan
 from .._stats import Recorder
 from ..errors import TooManySkippedError, add_note
-from .fetch import DROPPED
 from .run import Run, add_context
 
 __all__ = ["Cursor", "EpochPass", "EpochSource", "EpochUnit", "Parked", "WorkerSide"]
@@ -109,8 +108,6 @@ class EpochUnit:
         return f"batch {self.key} of epoch {self.group}"
 
     def make_task(self, task_id: int, with_payload: bool) -> _worker.BatchTask:
-        if self.values is DROPPED:  # a worker would read dataset[i], the keys, instead
-            raise RuntimeError(f"aioloader: {self.label} was submitted again after its fetched samples were dropped")
         side = self.side
         payload = side.payload() if with_payload else None
         return _worker.BatchTask(
@@ -132,8 +129,9 @@ class EpochUnit:
         self.values = values
 
     def drop_fetched(self) -> None:
-        """Its batch is built, or failed for good: the fetched samples are not needed again."""
-        self.values = DROPPED
+        """Called by the fetch stage once the unit's dispatch is over (built, or failed for
+        good): no task of it is made again, so the fetched samples are not needed."""
+        self.values = None
 
 
 class EpochSource:

@@ -40,18 +40,9 @@ from .._stats import Recorder
 from .._validate import check_int
 from ..errors import LoaderTimeout, add_note
 
-__all__ = ["DROPPED", "FetchConfig", "FetchStage", "Then", "is_transient", "nbytes", "resolve_remote"]
+__all__ = ["FetchConfig", "FetchStage", "Then", "is_transient", "nbytes", "resolve_remote"]
 
 DEFAULT_IO_BUFFER = 256 << 20
-
-
-class _Dropped:
-    def __repr__(self) -> str:
-        return "<fetched values dropped>"
-
-
-# What a unit holds in place of its fetched values once its dispatch is over (see run()).
-DROPPED: Any = _Dropped()
 BACKOFF_BASE_S = 0.05  # first retry after ~50 ms, doubling, jittered by +-50 %
 BACKOFF_CAP_S = 2.0
 

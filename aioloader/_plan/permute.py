@@ -32,10 +32,6 @@ import math
 from typing import Any
 
 import numpy as np
-
-# Imported with aioloader, not on the first shuffled epoch (numpy loads numpy.random on
-# first use: 15-20 ms, inside the first iteration's time to the first batch).
-import numpy.random
 from numpy.typing import NDArray
 
 __all__ = ["MAX_LENGTH", "IndexShuffle", "round_keys"]
