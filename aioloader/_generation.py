@@ -1,6 +1,7 @@
 """One incarnation of a pool's executor, and every private name of ``concurrent.futures``
 and ``multiprocessing`` that aioloader reads (no other module reads any, but
-:mod:`aioloader._forkserver` those of the forkserver).
+:mod:`aioloader._direct` those it lists, and :mod:`aioloader._forkserver` those of the
+forkserver).
 
 A :class:`Generation` wraps one executor: the process pool or thread an owned
 :class:`~aioloader.WorkerPool` created, or the executor a user lent it. A crash ends a
@@ -53,6 +54,7 @@ from multiprocessing.context import BaseContext
 from typing import Any
 
 from . import _byvalue, _forkserver, _reply, _worker
+from ._direct import DirectSubmit
 from ._slots import Slots
 
 # What multiprocessing imports when the first process pool is made (its locks, shared
@@ -110,6 +112,7 @@ class Generation:
     tokens: frozenset[str] = frozenset()  # the payloads its workers receive when they start
     # Its submissions (the pool's Jobs), for the ones left unsettled once it is retired.
     jobs: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
+    direct: DirectSubmit | None = None  # an owned process pool's way round its threads
 
     @classmethod
     def processes_of(
@@ -133,6 +136,7 @@ class Generation:
             processes=pex._processes,
             slots=Slots(table),
             tokens=frozenset(payloads),
+            direct=DirectSubmit.of(pex),
         )
 
     def launch(self) -> None:
@@ -155,8 +159,10 @@ class Generation:
         return cls(number, ex, _reply.origin(isinstance(ex, cf.ProcessPoolExecutor)), owned=False)
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> cf.Future[Any]:
-        """``executor.submit``, watched for a break (raises what the executor raises)."""
-        fut = self.executor.submit(fn, *args)
+        """``executor.submit`` (or its direct path, :mod:`aioloader._direct`), watched
+        for a break (raises what the executor raises)."""
+        direct = self.direct
+        fut = direct.submit(fn, *args) if direct is not None else self.executor.submit(fn, *args)
         if self.manager is None and self.processes is not None:
             self.manager = getattr(self.executor, "_executor_manager_thread", None)
         fut.add_done_callback(self.settled)

@@ -428,3 +428,17 @@ if __name__ == "__main__":
         "fork-child": fork_child_main,
         "child-exit": child_exit_main,
     }[sys.argv[1]]()
+
+
+# ------------------------------------------------------------ direct submission tasks
+def block_until_released(started: str, release: str) -> int:
+    """A task that holds its worker: it creates ``started``, then reads the FIFO
+    ``release`` until the test closes its end. Returns the worker's pid."""
+    Path(started).touch()
+    with open(release, "rb") as f:
+        f.read()
+    return os.getpid()
+
+
+def length_of(data: bytes) -> int:
+    return len(data)

@@ -391,8 +391,8 @@ def test_a_multiprocessing_child_holding_a_loader_exits() -> None:
 
 # -------------------------------------------------------------------- house rules
 def test_only_the_generation_module_reads_executor_internals() -> None:
-    """Executor internals are read in ``_generation.py`` alone, the forkserver's in
-    ``_forkserver.py`` alone."""
+    """Executor internals are read in ``_generation.py`` and, for the direct submission
+    path it uses, ``_direct.py`` alone; the forkserver's in ``_forkserver.py`` alone."""
     executor = (
         "_processes",
         "_executor_manager_thread",
@@ -401,12 +401,17 @@ def test_only_the_generation_module_reads_executor_internals() -> None:
         "_max_workers",
         "_register_atexit",
         "_launch_processes",
+        "_call_queue",
+        "_pending_work_items",
+        "_work_ids",
+        "_shutdown_lock",
+        "_CallItem",
     )
     server = ("forkserver._forkserver", "_forkserver_pid", "_forkserver_address", "_forkserver_alive_fd")
     pkg = Path(aioloader.__file__).resolve().parent
     for path in pkg.rglob("*.py"):
         text = path.read_text()
-        if path.name != "_generation.py":
+        if path.name not in ("_generation.py", "_direct.py"):
             assert not [n for n in executor if f".{n}" in text or f'"{n}"' in text], path.name
         if path.name != "_forkserver.py":
             assert not [n for n in server if n in text], path.name
