@@ -173,8 +173,15 @@ def _make_dataset(spec: dict[str, Any]) -> Any:
     if spec["workload"] in ("jpeg", "boundary"):
         return bd.jpeg_dataset(spec["root"], spec.get("limit"))
     if spec["workload"] == "cold":
+        import gc
+
         import _bench_torch_dataset  # imports torch, here in the consumer, before the clock starts
 
+        # Importing torch leaves so many new objects that CPython's next full collection
+        # (about 100 ms) comes due soon after: which loader's start-up it lands in would
+        # depend on how many objects each allocated before, not on the loader. It runs
+        # here, before every loader's clock starts.
+        gc.collect()
         return _bench_torch_dataset.TorchModuleInts(spec["samples"])
     return bd.IntDataset(spec["samples"])
 
