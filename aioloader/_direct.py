@@ -11,8 +11,9 @@ lock (the same work item, id and pending-items entry as ``submit``), then pickle
 call item and writes it to the workers' pipe from the submitting thread, when that can
 neither block nor starve the manager thread:
 
-* nothing is waiting in the executor's own queue (so tasks still start in the order they
-  were submitted);
+* nothing is waiting in the executor's own queue or in the call queue's feeder buffer
+  (first come, first served; but for a task the feeder thread is pickling at that very
+  moment, which the direct one may overtake);
 * the call queue has a slot for this item *and one more*: the manager thread looks for a
   free slot before it takes one and then waits for it, so a slot it saw must stay free;
 * the pipe can take the message now: its unread bytes (``FIONREAD``) plus the message and
@@ -127,7 +128,7 @@ class DirectSubmit:
                 work_id = ex._queue_count
                 ex._queue_count += 1
                 ex._pending_work_items[work_id] = cf_process._WorkItem(fut, fn, args, {})
-                room = ex._work_ids.empty() and q._sem.acquire(False)
+                room = ex._work_ids.empty() and not q._buffer and q._sem.acquire(False)
                 if room and q._sem._semlock._is_zero():  # that was the manager's slot
                     q._sem.release()
                     room = False

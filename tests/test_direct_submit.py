@@ -59,6 +59,10 @@ class _Held:
 
     def __init__(self, gen: Any, tmp: Path) -> None:
         self.gen = gen
+        # The pool's first tasks (one per worker, through the feeder thread) are read
+        # first: a blocking task written directly could overtake them in the pipe and
+        # leave them in the queue until the end.
+        _queue_idle(gen)
         self.fifos = [tmp / f"release{k}" for k in range(2)]
         started = [tmp / f"started{k}" for k in range(2)]
         for f in self.fifos:
