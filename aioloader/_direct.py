@@ -171,7 +171,6 @@ class DirectSubmit:
             q._notempty.notify()
 
     def _fits(self, size: int) -> bool:
-        unread = struct.unpack("i", fcntl.ioctl(self.queue._reader.fileno(), termios.FIONREAD, b"\0\0\0\0"))[
-            0
-        ]
+        fd = self.queue._reader.fileno()  # raises OSError once the executor closed it
+        (unread,) = struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))
         return bool(unread + size + _SLACK <= self.capacity)
