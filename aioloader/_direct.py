@@ -111,8 +111,7 @@ class DirectSubmit:
     def submit(self, fn: Any, *args: Any) -> cf.Future[Any]:
         """``executor.submit(fn, *args)``, written to the workers' pipe when it can be."""
         ex: Any = self.ex
-        manager = ex._executor_manager_thread
-        if manager is None or not manager.is_alive():
+        if ex._executor_manager_thread is None:  # a manager that ended left the pool broken or shut down
             first: cf.Future[Any] = ex.submit(fn, *args)  # it starts the manager thread
             return first
         q = self.queue

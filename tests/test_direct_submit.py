@@ -6,6 +6,7 @@ not by timing."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ import aioloader
 from aioloader import _direct
 
 from . import _pool_helpers as H
+from ._datasets import RangeDataset
 from .conftest import wait_until
 
 
@@ -148,10 +150,6 @@ def _plain(batch: Any) -> Any:
 def test_a_loader_gets_its_batches_through_the_direct_path(face: str) -> None:
     """End to end: the batches of a loader on an owned pool are the reference ones, and
     its tasks were written directly."""
-    import asyncio
-
-    from ._datasets import RangeDataset
-
     with aioloader.WorkerPool(2) as wp:
         loader = aioloader.DataLoader(RangeDataset(64), 4, shuffle=True, seed=3, pool=wp, batches_per_task=1)
         if face == "for":
