@@ -11,9 +11,9 @@ Iterating or loading state into a CLOSED loader raises
 closes gets the same error from its next batch.
 
 The faces: a facade defines ``_begin()``, a coroutine returning a *pass* (one consumer's
-iteration: ``await p.next()`` gives a batch or raises ``StopAsyncIteration``;
-``await p.finish()`` ends it early or late). ``async for`` drives it on the caller's
-loop; ``for`` drives the same coroutines on the private portal loop.
+iteration, :class:`Pass`). ``async for`` drives it on the caller's loop; ``for`` drives
+the same coroutines on the private portal loop, where a :class:`~aioloader._portal.Feed`
+takes batches ahead and the iterating thread accepts them.
 """
 
 from __future__ import annotations
@@ -33,10 +33,11 @@ from typing import Any, ClassVar, Protocol, TypeVar
 
 from . import _worker
 from ._cpus import available_cpus
-from ._engine.run import Run, closed_while_iterating
+from ._engine.run import Run
+from ._engine.units import Delivery, closed_while_iterating
 from ._payload import pickle_for_workers
 from ._pool import WorkerPool
-from ._portal import Portal
+from ._portal import END, Feed, Portal
 from ._shm import _dataseg
 from ._shm._dataseg import DataSegment
 from ._stats import LoaderStats, Recorder
@@ -55,9 +56,21 @@ class Lifecycle(enum.Enum):
 
 
 class Pass(Protocol):
-    """One consumer's iteration (an epoch, or one pass over a stream)."""
+    """One consumer's iteration (an epoch, or one pass over a stream).
 
-    async def next(self) -> Any: ...
+    ``await take()`` (on the run's loop) gives the next delivery, its window slot still
+    held, or raises ``StopAsyncIteration``; ``accept(d, waited_ns)`` (from the consumer's
+    thread, whichever it is) is the consumer taking it: the position that
+    ``state_dict()`` reports moves on, the slot frees, and the batch comes back (``None``
+    when every sample of it was skipped: nothing to yield). A run closed under the pass
+    after it took ``d`` voids it: ``accept`` raises ``StopAsyncIteration`` (or
+    :class:`~aioloader.LoaderClosedError`, the loader closed). ``await finish()`` ends
+    the pass early or late.
+    """
+
+    async def take(self) -> Delivery: ...
+
+    def accept(self, d: Delivery, waited_ns: int | None = None) -> Any: ...
 
     async def finish(self) -> None: ...
 
@@ -79,21 +92,9 @@ class Shared:
         return self.payload
 
 
-class _End:
-    def __repr__(self) -> str:
-        return "<end of iteration>"
-
-
-_END: Any = _End()
-
-
-async def _next_or_end(p: Pass) -> Any:
-    # The sync face must not receive StopAsyncIteration through the portal's future: its
-    # traceback would keep this iteration's frames (and the loader) alive after the epoch.
-    try:
-        return await p.next()
-    except StopAsyncIteration:
-        return _END
+async def _close_feed_and_finish(feed: Feed[Delivery], p: Pass) -> None:
+    await feed.aclose()
+    await p.finish()
 
 
 L = TypeVar("L", bound="LoaderBase")
@@ -338,10 +339,11 @@ class IterableLoader(LoaderBase):
         try:
             while True:
                 try:
-                    batch = await p.next()
+                    batch = p.accept(await p.take())
                 except StopAsyncIteration:
                     return
-                yield batch
+                if batch is not None:
+                    yield batch
         finally:
             await p.finish()
 
@@ -355,18 +357,26 @@ class IterableLoader(LoaderBase):
         # A generator: the pass begins at the first next(), so an iterator created and
         # dropped unused costs nothing.
         p = portal.call(self._begin())
+        # The feed's end is a value, never StopAsyncIteration raised here: its traceback
+        # would keep this iteration's frames (and the loader) alive after the epoch.
+        feed: Feed[Delivery] = Feed(portal, p.take)
         try:
             while True:
                 if self._state is Lifecycle.CLOSED or portal.loop.is_closed():
                     raise closed_while_iterating(self._kind)
-                batch = portal.call(_next_or_end(p))
-                if batch is _END:
+                d, waited = feed.get()
+                if d is END:
                     return
-                yield batch
+                try:
+                    batch = p.accept(d, waited)
+                except StopAsyncIteration:  # the run was closed under this iteration
+                    return
+                if batch is not None:
+                    yield batch
         finally:
             if not portal.loop.is_closed():
                 with contextlib.suppress(RuntimeError, cf.TimeoutError, LoaderClosedError):
-                    portal.call(p.finish(), timeout=30.0)
+                    portal.call(_close_feed_and_finish(feed, p), timeout=30.0)
 
 
 def _cleanup(

@@ -20,6 +20,7 @@ from . import _worker
 from ._engine.epochs import WorkerSide
 from ._engine.run import Run
 from ._engine.shards import ShardPosition, ShardSource
+from ._engine.units import Delivery
 from ._facade import Pass
 from ._stats import Recorder
 from ._torch_compat import PinningPass
@@ -75,13 +76,14 @@ class _ShardPass:
         self.rec = recorder.epoch_started(position.epoch)
         self.finished = False
 
-    async def next(self) -> Any:
-        while True:
-            d = await self.run.next(self.rec, self.epoch)
-            with self.lock:
-                self.position = self.position.deliver(d.unit.shard, ended=d.data is None)  # type: ignore[attr-defined]
-            if d.data is not None:
-                return d.data
+    async def take(self) -> Delivery:
+        return await self.run.take(self.rec, self.epoch)
+
+    def accept(self, d: Delivery, waited_ns: int | None = None) -> Any:
+        self.run.release(d, self.rec, waited_ns)
+        with self.lock:
+            self.position = self.position.deliver(d.unit.shard, ended=d.data is None)  # type: ignore[attr-defined]
+        return d.data
 
     async def finish(self) -> None:
         if self.finished:

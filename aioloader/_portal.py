@@ -1,26 +1,32 @@
 """Sync iteration over the async core: a private event loop in a background thread.
 
-``for batch in loader`` submits each ``__anext__`` to this loop and waits for it: one
-``call_soon_threadsafe`` there, one lock released back (no concurrent future). The
-loop is uvloop's when uvloop is installed. Because the loop has a thread of its own,
-sync iteration works whether or not the calling thread already runs an event loop
-(Jupyter), and Ctrl-C in the calling thread interrupts the wait, not the loop.
+``for batch in loader`` reads a :class:`Feed`: a task on this loop takes finished
+batches as they come and hands them, in order, to the iterating thread through a deque,
+so that the thread finds the next one waiting instead of asking the loop for it (a round
+trip of two thread wake-ups per batch). The window still bounds what is taken ahead: a
+batch handed over keeps its window slot until the thread accepts it. One-off calls
+(:meth:`Portal.call`) cost one ``call_soon_threadsafe`` there and one lock released back
+(no concurrent future). The loop is uvloop's when uvloop is installed. Because the loop
+has a thread of its own, sync iteration works whether or not the calling thread already
+runs an event loop (Jupyter), and Ctrl-C in the calling thread interrupts the wait, not
+the loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures as cf
 import contextlib
 import sys
 import threading
 import time
-from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, Generic, TypeVar
 
 from .errors import LoaderClosedError
 
-__all__ = ["Portal", "new_event_loop"]
+__all__ = ["END", "Feed", "Portal", "new_event_loop"]
 
 T = TypeVar("T")
 
@@ -80,6 +86,11 @@ class Portal:
     def in_portal(self) -> bool:
         return threading.current_thread() is self._thread
 
+    def closed_under_caller(self) -> bool:
+        """The portal was closed and its loop has stopped (a caller waiting on it would
+        wait forever)."""
+        return self._closed and not self._thread.is_alive()
+
     def submit(self, coro: Coroutine[Any, Any, T]) -> cf.Future[T]:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
@@ -103,9 +114,9 @@ class Portal:
         try:
             # Wait in slices: a portal closed under us must not leave us waiting on a
             # callback its loop dropped. (Lock waits are interrupted by Ctrl-C.)
-            while not call.done.acquire(timeout=0.25):
-                if self._closed and not self._thread.is_alive():
-                    raise LoaderClosedError("the loader was closed while it was being iterated")
+            while not call.done.acquire(timeout=_SLICE):
+                if self.closed_under_caller():
+                    raise _closed_error()
                 if deadline is not None and time.monotonic() > deadline:
                     raise cf.TimeoutError(f"no result within {timeout} s")
         except BaseException:
@@ -115,7 +126,7 @@ class Portal:
         return value
 
     def _abandon(self, call: _Call) -> None:
-        if self._closed and not self._thread.is_alive():  # its loop dropped it unrun
+        if self.closed_under_caller():  # its loop dropped it unrun
             call.coro.close()
             return
         with contextlib.suppress(RuntimeError):
@@ -134,6 +145,97 @@ class Portal:
         except RuntimeError:  # loop already closed
             pass
         self._thread.join(timeout)
+
+
+_SLICE = 0.25  # waits are sliced so that a portal closed under the waiter is noticed
+
+
+def _closed_error() -> LoaderClosedError:
+    return LoaderClosedError("the loader was closed while it was being iterated")
+
+
+class _End:
+    def __repr__(self) -> str:
+        return "<end of iteration>"
+
+
+END: Any = _End()
+
+
+class Feed(Generic[T]):
+    """What ``take()`` gives, again and again on the portal's loop, handed in order to one
+    consumer thread (:meth:`get`), until it raises ``StopAsyncIteration`` (then
+    :data:`END`) or anything else (raised by :meth:`get` after the items before it).
+
+    Nothing bounds the items taken ahead but ``take`` itself: the engine's passes hand
+    over units that hold their window slots until the consumer accepts them.
+    """
+
+    def __init__(self, portal: Portal, take: Callable[[], Awaitable[T]]) -> None:
+        self._portal = portal
+        self._take = take
+        self._items: collections.deque[tuple[Any, BaseException | None]] = collections.deque()
+        self._lock = threading.Lock()  # guards _waiting against the loop's appends
+        self._wake = threading.Lock()  # released by the loop for a waiting consumer
+        self._wake.acquire()
+        self._waiting = False
+        self._task: asyncio.Task[None] | None = None
+        self._stopped = False
+        portal.loop.call_soon_threadsafe(self._start)
+
+    def _start(self) -> None:  # on the loop
+        if not self._stopped:
+            self._task = self._portal.loop.create_task(self._run(), name="aioloader-feed")
+
+    async def _run(self) -> None:
+        while True:
+            error: BaseException | None = None
+            try:
+                item: Any = await self._take()
+            except StopAsyncIteration:
+                item = END
+            except asyncio.CancelledError:  # aclose(), or the portal closing under the consumer
+                item, error = None, _closed_error()
+            except BaseException as exc:  # SystemExit too: the consumer raises it
+                item, error = None, exc
+            self._items.append((item, error))
+            with self._lock:
+                if self._waiting:
+                    self._waiting = False
+                    self._wake.release()
+            if item is END or error is not None:
+                return
+
+    def get(self) -> tuple[T, int]:
+        """The next item and the nanoseconds spent waiting for it (consumer's thread)."""
+        t0 = time.monotonic_ns()
+        items = self._items
+        while True:
+            try:
+                item, error = items.popleft()
+                break
+            except IndexError:
+                pass
+            with self._lock:
+                if items:
+                    continue
+                self._waiting = True
+            while not self._wake.acquire(timeout=_SLICE):
+                if self._portal.closed_under_caller():
+                    raise _closed_error()
+        if error is not None:
+            raise error
+        return item, time.monotonic_ns() - t0
+
+    async def aclose(self) -> None:
+        """Stop taking (on the loop). What was taken and not read is left to the
+        caller's cleanup (the engine's run frees it when it closes)."""
+        self._stopped = True
+        task = self._task
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
 
 
 class _Call:

@@ -150,14 +150,19 @@ def resolve_torch_args(
 
 
 class PinningPass:
-    """A pass whose batches go through ``pin`` before they are delivered."""
+    """A pass whose batches go through ``pin`` when the run hands them over (on the
+    loop, ahead of the consumer, as torch's pinning thread does)."""
 
     def __init__(self, inner: Any, pin: Callable[[Any], Any]) -> None:
         self.inner = inner
         self.pin = pin
 
-    async def next(self) -> Any:
-        return self.pin(await self.inner.next())
+    async def take(self) -> Any:
+        d = await self.inner.take()
+        return d if d.data is None else d._replace(data=self.pin(d.data))
+
+    def accept(self, d: Any, waited_ns: int | None = None) -> Any:
+        return self.inner.accept(d, waited_ns)
 
     async def finish(self) -> None:
         await self.inner.finish()

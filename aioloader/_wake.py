@@ -1,9 +1,10 @@
-"""Waking an event loop from other threads, a burst of results at a time.
+"""Waking an event loop from other threads, a burst at a time.
 
-The executor's manager thread settles one result after another; waking the loop for each
+The executor's manager thread settles one result after another, and the ``for`` face's
+consumer thread frees one window slot after another; waking the loop for each
 (``call_soon_threadsafe``: a write to the loop's wake-up pipe, one more loop iteration, a
 GIL hand-off) was one of the main process's largest costs per batch. A :class:`Waker`
-keeps the futures settled while a wake-up is pending and settles them all on that one.
+keeps what is asked of the loop while a wake-up is pending and does it all on that one.
 """
 
 from __future__ import annotations
@@ -11,25 +12,32 @@ from __future__ import annotations
 import asyncio
 import threading
 import weakref
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["Waker", "waker_for"]
 
 
 class Waker:
-    """Settles futures of one event loop from any thread: at most one wake-up of the
-    loop is pending at a time, and every future woken meanwhile joins it."""
+    """Runs callbacks on one event loop from any thread: at most one wake-up of the loop
+    is pending at a time, and every callback asked for meanwhile joins it (in order)."""
 
     __slots__ = ("__weakref__", "_lock", "_loop", "_pending", "_scheduled")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = weakref.ref(loop)  # the table of wakers holds loops weakly
         self._lock = threading.Lock()
-        self._pending: list[asyncio.Future[None]] = []
+        self._pending: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
         self._scheduled = False
 
     def wake(self, waiter: asyncio.Future[None]) -> None:
+        """Settle ``waiter`` (with ``None``, unless it is done already) on its loop."""
+        self.call(_settle, waiter)
+
+    def call(self, fn: Callable[..., None], *args: Any) -> None:
+        """``fn(*args)`` soon, on the loop; dropped if the loop is closed."""
         with self._lock:
-            self._pending.append(waiter)
+            self._pending.append((fn, args))
             if self._scheduled:
                 return
             self._scheduled = True
@@ -47,9 +55,13 @@ class Waker:
         with self._lock:
             pending, self._pending = self._pending, []
             self._scheduled = False
-        for waiter in pending:
-            if not waiter.done():
-                waiter.set_result(None)
+        for fn, args in pending:
+            fn(*args)
+
+
+def _settle(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 _wakers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Waker] = weakref.WeakKeyDictionary()

@@ -28,7 +28,8 @@ from ._engine.epochs import Cursor, EpochPass, EpochSource, Parked, WorkerSide
 from ._engine.fetch import DEFAULT_IO_BUFFER, FetchConfig, resolve_remote
 from ._engine.group import policy_for
 from ._engine.resume import Resumable
-from ._engine.run import Run, RunConfig
+from ._engine.run import Run
+from ._engine.units import RunConfig
 from ._facade import IterableLoader, Lifecycle, Pass
 from ._plan.sampler import BatchPlanner, EpochPlan, LastBatch, ShardPolicy, dataset_length
 from ._pool import WorkerPool

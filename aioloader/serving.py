@@ -37,7 +37,8 @@ from typing import Any, Generic
 from . import _worker
 from ._engine.epochs import WorkerSide
 from ._engine.requests import RequestQueue, ServeCounters, percentiles
-from ._engine.run import Run, RunConfig
+from ._engine.run import Run
+from ._engine.units import RunConfig
 from ._facade import LoaderBase
 from ._pool import WorkerPool
 from ._serve_worker import PerBatch, PerItem

@@ -28,7 +28,8 @@ from ._engine.batcher import Batcher
 from ._engine.epochs import WorkerSide
 from ._engine.feeds import END, _EndOfStream, make_feed
 from ._engine.fetch import DEFAULT_IO_BUFFER, FetchConfig, resolve_remote
-from ._engine.run import Run, RunConfig
+from ._engine.run import Run
+from ._engine.units import Delivery, RunConfig
 from ._facade import IterableLoader
 from ._pool import WorkerPool
 from ._stats import Recorder
@@ -276,13 +277,14 @@ class _StreamPass:
         self.run = run
         self.rec = recorder.epoch_started(iteration)
 
-    async def next(self) -> Any:
-        while True:
-            d = await self.run.next(self.rec)
-            if d.skipped:  # counted, not kept: an infinite stream must not grow a list
-                self.recorder.skipped += len(d.skipped)
-            if d.data is not None:
-                return d.data
+    async def take(self) -> Delivery:
+        return await self.run.take(self.rec)
+
+    def accept(self, d: Delivery, waited_ns: int | None = None) -> Any:
+        self.run.release(d, self.rec, waited_ns)
+        if d.skipped:  # counted, not kept: an infinite stream must not grow a list
+            self.recorder.skipped += len(d.skipped)
+        return d.data
 
     async def finish(self) -> None:
         await self.run.aclose()

@@ -14,9 +14,10 @@ import pytest
 
 import aioloader
 from aioloader import _wake
-from aioloader._portal import Portal
+from aioloader._portal import END, Feed, Portal
 
 from ._datasets import RangeDataset
+from .conftest import wait_until
 
 WAIT = 30.0  # seconds: bounds every wait on another thread, never a timing assertion
 
@@ -165,3 +166,108 @@ def test_no_task_is_left_behind_per_call(portal: Portal) -> None:
         return len([t for t in asyncio.all_tasks() if t is not me and not t.done()])
 
     assert portal.call(pending()) == 0
+
+
+# ------------------------------------------------------------------- the for face's feed
+def _taker(items: list[Any], end: BaseException | None = None) -> Any:
+    it = iter(items)
+
+    async def take() -> Any:
+        try:
+            return next(it)
+        except StopIteration:
+            raise end if end is not None else StopAsyncIteration from None
+
+    return take
+
+
+def test_feed_hands_items_in_order_then_the_end(portal: Portal) -> None:
+    feed = Feed(portal, _taker(list(range(50))))
+    got = []
+    while True:
+        item, waited = feed.get()
+        assert isinstance(waited, int) and waited >= 0
+        if item is END:
+            break
+        got.append(item)
+    assert got == list(range(50))
+
+
+@pytest.mark.parametrize("exc", [KeyError("bad key"), SystemExit(3)])
+def test_feed_raises_an_error_after_the_items_taken_before_it(portal: Portal, exc: BaseException) -> None:
+    feed = Feed(portal, _taker([1, 2, 3], exc))
+    assert [feed.get()[0] for _ in range(3)] == [1, 2, 3]
+    with pytest.raises(type(exc)):
+        feed.get()
+    assert portal.thread.is_alive()  # SystemExit reached the consumer, not the loop
+
+
+def test_feed_closed_portal_under_a_waiting_consumer(portal: Portal) -> None:
+    started = threading.Event()
+    seen: list[BaseException] = []
+
+    async def forever() -> None:
+        started.set()
+        await asyncio.Event().wait()
+
+    feed: Feed[None] = Feed(portal, forever)
+
+    def consumer() -> None:
+        try:
+            feed.get()
+        except BaseException as exc:
+            seen.append(exc)
+
+    t = threading.Thread(target=consumer)
+    t.start()
+    assert started.wait(WAIT)
+    portal.close()
+    t.join(WAIT)
+    assert not t.is_alive()
+    assert len(seen) == 1 and isinstance(seen[0], aioloader.LoaderClosedError)
+
+
+def test_feed_aclose_stops_taking_and_leaves_no_task(portal: Portal) -> None:
+    calls: list[int] = []
+    gate = asyncio.Event()
+
+    async def take() -> int:
+        calls.append(1)
+        if len(calls) > 2:
+            await gate.wait()  # the third take waits for ever
+        return len(calls)
+
+    feed = Feed(portal, take)
+    assert [feed.get()[0] for _ in range(2)] == [1, 2]
+
+    async def close_and_count() -> int:
+        await feed.aclose()
+        me = asyncio.current_task()
+        return len([t for t in asyncio.all_tasks() if t is not me and not t.done()])
+
+    assert portal.call(close_and_count()) == 0
+    assert len(calls) == 3
+
+
+@pytest.mark.timeout(120)
+def test_the_for_face_takes_ahead_but_the_state_counts_what_it_accepted() -> None:
+    # The feed takes finished batches ahead of the iterating thread; state_dict() must
+    # still report only the batches that thread received, and resuming from it must give
+    # exactly the rest of the epoch (nothing taken ahead is lost or repeated).
+    def make() -> aioloader.DataLoader[Any]:
+        return aioloader.DataLoader(RangeDataset(64), 4, shuffle=True, seed=3, num_workers=2, prefetch=4)
+
+    with make() as loader:
+        reference = [b[1].tolist() for b in loader]
+    with make() as loader:
+        it = iter(loader)
+        head = [next(it)[1].tolist() for _ in range(3)]
+        p = loader._active
+        assert p is not None
+        wait_until(lambda: p.left - p.untaken >= 2, WAIT, "the feed to take two batches ahead")
+        state = loader.state_dict()
+        it.close()
+    assert head == reference[:3]
+    with make() as resumed:
+        resumed.load_state_dict(state)
+        assert [b[1].tolist() for b in resumed] == reference[3:]

@@ -22,7 +22,8 @@ from .. import _worker
 from .._plan.sampler import EpochPlan
 from .._stats import Recorder
 from ..errors import TooManySkippedError, add_note
-from .run import Run, add_context
+from .run import Run
+from .units import Delivery, add_context
 
 __all__ = ["Cursor", "EpochPass", "EpochSource", "EpochUnit", "Parked", "WorkerSide"]
 
@@ -208,10 +209,10 @@ class Parked:
 
 
 class EpochPass:
-    """One consumer's pass over one epoch, from ``cursor`` (``await next()`` a batch,
-    ``await finish()`` at the end). ``on_end(pass)`` tells the loader it ended and
-    returns whether the loader keeps the run (it went on into the next epoch);
-    otherwise the pass closes it."""
+    """One consumer's pass over one epoch, from ``cursor`` (see
+    :class:`~aioloader._facade.Pass`: ``take``, ``accept``, ``finish``). ``on_end(pass)``
+    tells the loader it ended and returns whether the loader keeps the run (it went on
+    into the next epoch); otherwise the pass closes it."""
 
     def __init__(
         self,
@@ -232,7 +233,8 @@ class EpochPass:
         self.n = len(plan)
         self.cursor = cursor
         self.successor = successor
-        self.left = cursor.remaining(self.n)
+        self.left = cursor.remaining(self.n)  # batches the consumer has still to accept
+        self.untaken = self.left  # batches the run has still to hand over
         self.skipped: list[tuple[int, str]] = []
         self.lock = lock
         self.recorder = recorder
@@ -241,23 +243,26 @@ class EpochPass:
         self.rec = recorder.epoch_started(plan.epoch)
         self.finished = False
 
-    async def next(self) -> Any:
-        while True:
-            if self.left <= 0:
-                raise StopAsyncIteration
-            try:
-                d = await self.run.next(self.rec, self.epoch)
-            except Exception as exc:
-                if not isinstance(exc, StopAsyncIteration):
-                    add_context(exc, f"aioloader: raised while loading epoch {self.epoch}")
-                raise
-            self.left -= 1
-            with self.lock:
-                self.cursor = self.cursor.deliver(d.unit.key)  # type: ignore[attr-defined]
-            if d.skipped:
-                self._count_skipped(d.skipped)
-            if d.data is not None:
-                return d.data
+    async def take(self) -> Delivery:
+        if self.untaken <= 0:
+            raise StopAsyncIteration
+        try:
+            d = await self.run.take(self.rec, self.epoch)
+        except Exception as exc:
+            if not isinstance(exc, StopAsyncIteration):
+                add_context(exc, f"aioloader: raised while loading epoch {self.epoch}")
+            raise
+        self.untaken -= 1
+        return d
+
+    def accept(self, d: Delivery, waited_ns: int | None = None) -> Any:
+        self.run.release(d, self.rec, waited_ns)
+        self.left -= 1
+        with self.lock:
+            self.cursor = self.cursor.deliver(d.unit.key)  # type: ignore[attr-defined]
+        if d.skipped:
+            self._count_skipped(d.skipped)
+        return d.data
 
     def _count_skipped(self, skipped: tuple[tuple[int, str], ...]) -> None:
         self.skipped.extend(skipped)

@@ -11,6 +11,12 @@ the next unit, and starts a task that runs the unit on the pool through the disp
 The consumer frees the slot when it *takes* the unit, so units submitted, running, or
 finished but not yet taken never exceed the window (``prefetch``).
 
+Taking is two steps, so that a consumer in another thread (the ``for`` face) can be handed
+finished units ahead of its asking without loosening that bound: :meth:`Run.take`, on the
+run's loop, hands over the next finished unit, decoded, with its slot still held; the
+consumer *releases* it (:meth:`Run.release`, from any thread) when it really takes it,
+which counts the delivery and frees the slot on the loop.
+
 The source alone decides what comes next and when: an epoch plan (continuing, as a
 policy, into the next epoch while the consumer finishes this one), a stream's batcher,
 which assembles items under a deadline while it holds its slot, or an iterable dataset's
@@ -29,79 +35,19 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures as cf
+import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from collections.abc import Callable
+from typing import Any
 
-from .._pool import WorkerPool
-from .._stats import Recorder, _Epoch
-from ..errors import LoaderClosedError, add_note
+from .._stats import _Epoch
+from .._wake import waker_for
 from .dispatch import Dispatcher, Raised, cancelling
-from .fetch import FetchConfig, FetchStage, nbytes
-from .group import GroupPolicy, GroupStage
+from .fetch import FetchStage, nbytes
+from .group import GroupStage
+from .units import Delivery, RunConfig, Unit, UnitSource, closed_while_iterating
 
-__all__ = ["Delivery", "Run", "RunConfig", "Unit", "UnitSource", "closed_while_iterating"]
-
-
-def closed_while_iterating(kind: str) -> LoaderClosedError:
-    """The one error for "the loader was closed under a consumer"."""
-    return LoaderClosedError(f"the {kind} was closed while it was being iterated")
-
-
-class Unit(Protocol):
-    """One pool task's worth of work, as a unit source describes it."""
-
-    group: int  # the epoch (DataLoader) or iteration (StreamLoader) it belongs to
-    size: int  # samples or items in it
-
-    @property
-    def fn(self) -> Callable[[Any], Any]: ...
-
-    @property
-    def label(self) -> str: ...  # names the unit in errors: "batch 3 of epoch 0"
-
-    @property
-    def indices(self) -> Sequence[int]: ...  # sample indices / source positions, for errors
-
-    def make_task(self, task_id: int, with_payload: bool) -> Any: ...
-
-
-class UnitSource(Protocol):
-    async def next_unit(self) -> Unit | None:
-        """The next unit (called while holding a window slot), or ``None`` at the end.
-        An exception ends the run after the units returned before it."""
-        ...
-
-    async def aclose(self) -> None:
-        """Stop producing and release what the source holds. Idempotent."""
-        ...
-
-
-@dataclass
-class RunConfig:
-    """What a run needs from its facade (never the facade itself: a loader dropped
-    while work is pending must be collectable at once)."""
-
-    kind: str  # "DataLoader" or "StreamLoader", for messages
-    pool: WorkerPool
-    prefetch: int
-    ordered: bool
-    timeout: float | None
-    max_retries: int
-    decode: Callable[[Any], Any] | None
-    recorder: Recorder
-    is_closed: Callable[[], bool]
-    fail_fast: bool = True  # a unit's error ends the run (loaders); False: it is delivered (serving)
-    fetch: FetchConfig | None = None  # a fetch stage between the window and the dispatcher
-    group: GroupPolicy | None = None  # several units per pool task (units with no fetch stage)
-
-
-class Delivery(NamedTuple):
-    unit: Unit
-    data: Any  # None when every sample of the unit was skipped (or it failed)
-    skipped: tuple[tuple[int, str], ...]
-    error: BaseException | None = None  # what the unit raised (only without fail_fast)
+__all__ = ["Run"]
 
 
 class _Terminal:
@@ -140,10 +86,13 @@ class Run:
             self.grouper = GroupStage(self.dispatcher, cfg.group)
         self.closed = False
         self.ended = False  # the consumer saw the terminal entry
+        self._ended_in_take = False  # closed by take(), on its way to the consumer
         self._unqueued = 0  # unordered: submitted units not yet on the ready queue
         self._terminal: _Terminal | None = None  # waiting for them
         self._producer: asyncio.Task[None] | None = None
         self._close_done: asyncio.Future[None] | None = None
+        self._thread = threading.get_ident()  # the run's loop's
+        self._waker = waker_for(self.loop)  # releases from other threads
 
     def start(self) -> None:
         if self._producer is None:
@@ -242,13 +191,21 @@ class Run:
 
     # ------------------------------------------------------------------ consumer
     async def next(self, rec: _Epoch, group: int | None = None) -> Delivery:
-        """The next finished unit (of ``group``, when given), decoded; counted in ``rec``.
+        """:meth:`take` and :meth:`release` in one: the next finished unit (of ``group``,
+        when given), decoded, its slot freed; counted in ``rec``."""
+        d = await self.take(rec, group)
+        self.release(d, rec)
+        return d
+
+    async def take(self, rec: _Epoch, group: int | None = None) -> Delivery:
+        """The next finished unit (of ``group``, when given), decoded, its slot still
+        held: :meth:`release` it when the consumer takes it.
 
         Raises ``StopAsyncIteration`` at the end of the source (or when the run was
         closed under the consumer), :class:`~aioloader.LoaderClosedError` when the whole
         loader was, and what the source raised. What a unit raised is raised too (and
         the run closed), unless the run was configured not to fail fast: then the error
-        comes back in :attr:`Delivery.error` and the run goes on.
+        comes back in :attr:`Delivery.error` (its slot already freed) and the run goes on.
         """
         while True:
             if self.closed:
@@ -264,7 +221,7 @@ class Run:
                 continue  # the loop head reports how the run ended
             if isinstance(entry, _Terminal):
                 self.ended = entry.error is None
-                await self.aclose()
+                await self._end_in_take()
                 if entry.error is not None:
                     raise entry.error
                 raise StopAsyncIteration
@@ -284,15 +241,14 @@ class Run:
                 self._release(entry)
                 if not self.cfg.fail_fast:
                     return Delivery(unit, None, (), exc)
-                await self.aclose()
+                await self._end_in_take()
                 raise
             if type(res) is Raised:
                 self._release(entry)
                 if not self.cfg.fail_fast:
                     return Delivery(unit, None, (), res.exc)
-                await self.aclose()
+                await self._end_in_take()
                 raise res.exc
-            now = time.monotonic_ns()
             data = res.data
             if data is not None:
                 if self.cfg.decode is not None:
@@ -303,11 +259,37 @@ class Run:
                     and not self.cfg.recorder.batches % 32
                 ):
                     self.grouper.policy.observe_bytes(nbytes(data))  # one delivery in 32 is weighed
-                # Counted before the slot frees: a pull that the freed slot allows is
-                # never seen before the delivery that allowed it.
-                self.cfg.recorder.delivered(rec, unit.size - len(res.skipped), now - t0, now)
-            self._release(entry)
-            return Delivery(unit, data, res.skipped)
+            return Delivery(unit, data, res.skipped, None, entry, time.monotonic_ns() - t0)
+
+    def release(self, d: Delivery, rec: _Epoch, waited_ns: int | None = None) -> None:
+        """The consumer took ``d``: count it in ``rec`` (``waited_ns``: how long the
+        consumer waited for it, if not :meth:`take`'s wait) and free its slot. From any
+        thread; from another than the run's loop's, the loop frees it soon after."""
+        if d.slot is None:
+            return
+        if self.closed and not self._ended_in_take:
+            # Closed under the consumer (a new iteration, close()): what was taken ahead
+            # for it is void, as what was not taken yet.
+            raise self._end_error()
+        now = time.monotonic_ns()
+        waited = d.waited_ns if waited_ns is None else waited_ns
+        if threading.get_ident() == self._thread:
+            self._count_and_free(d, rec, waited, now)
+        else:  # sharing a wake-up of the loop with results and other releases
+            self._waker.call(self._count_and_free, d, rec, waited, now)
+
+    async def _end_in_take(self) -> None:
+        """The run ends where the consumer will see why (its end, or a unit's error):
+        what was taken before stays the consumer's to release."""
+        self._ended_in_take = True
+        await self.aclose()
+
+    def _count_and_free(self, d: Delivery, rec: _Epoch, waited: int, now: int) -> None:
+        # Counted before the slot frees: a pull that the freed slot allows is never seen
+        # before the delivery that allowed it.
+        if d.data is not None:
+            self.cfg.recorder.delivered(rec, d.unit.size - len(d.skipped), waited, now)
+        self._release(d.slot)
 
     async def _cancelled(self) -> BaseException:
         """The consumer saw ``CancelledError``: its own cancellation (re-raised), or the
@@ -432,12 +414,3 @@ class Run:
                 fut.result(timeout)
             except (cf.TimeoutError, cf.CancelledError, RuntimeError):
                 pass
-
-
-def add_context(exc: BaseException, note: str) -> None:
-    """Add ``note`` unless aioloader already said where ``exc`` came from."""
-    if isinstance(exc, LoaderClosedError):
-        return
-    if any("aioloader:" in n for n in getattr(exc, "__notes__", ())):
-        return
-    add_note(exc, note)
