@@ -77,7 +77,7 @@ class _ShardPass:
         self.finished = False
 
     async def take(self) -> Delivery:
-        return await self.run.take(self.rec, self.epoch)
+        return await self.run.take(self.epoch)
 
     def accept(self, d: Delivery, waited_ns: int | None = None) -> Any:
         self.run.release(d, self.rec, waited_ns)

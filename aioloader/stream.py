@@ -278,7 +278,7 @@ class _StreamPass:
         self.rec = recorder.epoch_started(iteration)
 
     async def take(self) -> Delivery:
-        return await self.run.take(self.rec)
+        return await self.run.take()
 
     def accept(self, d: Delivery, waited_ns: int | None = None) -> Any:
         self.run.release(d, self.rec, waited_ns)

@@ -223,3 +223,25 @@ def test_benchmark_suite_epoch_boundary_figure_does_not_depend_on_the_workers_ph
     gap_ms = 1000 * (short + long) / 2
     assert rows["aioloader"]["first_batch_epoch2plus_ms"] == pytest.approx(0.5 * gap_ms)
     assert rows["aioloader-auto"]["first_batch_epoch2plus_ms"] == pytest.approx(1.5 * gap_ms)
+
+
+def test_ab_benchmark_measures_both_checkouts(tmp_path: Path) -> None:
+    """bench_ab.py runs each checkout in its own process and reports its figures: the
+    same tree twice here, on a few hundred batches."""
+    bench = ROOT / "examples" / "benchmarks" / "bench_ab.py"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    args = ["--workload", "dispatch", "--samples", "300", "--epochs", "2", "--pairs", "1"]
+    proc = subprocess.run(
+        [sys.executable, str(bench), str(ROOT), str(ROOT), *args],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        cwd=tmp_path,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if "batches/s" in line]
+    assert [line[0] for line in lines] == ["A", "B"], proc.stdout
+    for line in lines:
+        rate = float(line.split()[1])
+        assert rate > 0 and "main" in line and "workers" in line, line

@@ -247,7 +247,7 @@ class EpochPass:
         if self.untaken <= 0:
             raise StopAsyncIteration
         try:
-            d = await self.run.take(self.rec, self.epoch)
+            d = await self.run.take(self.epoch)
         except Exception as exc:
             if not isinstance(exc, StopAsyncIteration):
                 add_context(exc, f"aioloader: raised while loading epoch {self.epoch}")

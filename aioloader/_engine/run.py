@@ -193,11 +193,11 @@ class Run:
     async def next(self, rec: _Epoch, group: int | None = None) -> Delivery:
         """:meth:`take` and :meth:`release` in one: the next finished unit (of ``group``,
         when given), decoded, its slot freed; counted in ``rec``."""
-        d = await self.take(rec, group)
+        d = await self.take(group)
         self.release(d, rec)
         return d
 
-    async def take(self, rec: _Epoch, group: int | None = None) -> Delivery:
+    async def take(self, group: int | None = None) -> Delivery:
         """The next finished unit (of ``group``, when given), decoded, its slot still
         held: :meth:`release` it when the consumer takes it.
 
