@@ -63,17 +63,9 @@ class Cursor:
     def remaining(self, n: int) -> int:
         return max(0, n - self.prefix) - sum(1 for p in self.after if self.prefix <= p < n)
 
-    def deliver(self, pos: int) -> Cursor:
-        """This cursor once batch ``pos`` was delivered."""
-        if pos == self.prefix:
-            prefix, after = pos + 1, self.after
-            while prefix in after:
-                after = after - {prefix}
-                prefix += 1
-            return Cursor(self.epoch, self.carry, prefix, after, self.sampler_state, self.length)
-        return Cursor(
-            self.epoch, self.carry, self.prefix, self.after | {pos}, self.sampler_state, self.length
-        )
+    def moved(self, prefix: int, after: frozenset[int]) -> Cursor:
+        """This cursor with the batches delivered so far given by ``prefix`` and ``after``."""
+        return Cursor(self.epoch, self.carry, prefix, after, self.sampler_state, self.length)
 
 
 @dataclass
@@ -231,7 +223,12 @@ class EpochPass:
         self.source = source
         self.epoch = plan.epoch
         self.n = len(plan)
-        self.cursor = cursor
+        # Where the consumer stands, kept as it moves (a frozen Cursor is built only
+        # when state_dict() asks: building one per batch cost a few us of the consumer's
+        # thread). Read and written under ``lock``.
+        self._start = cursor
+        self._prefix = cursor.prefix
+        self._after = set(cursor.after)
         self.successor = successor
         self.left = cursor.remaining(self.n)  # batches the consumer has still to accept
         self.untaken = self.left  # batches the run has still to hand over
@@ -242,6 +239,11 @@ class EpochPass:
         self.on_end = on_end
         self.rec = recorder.epoch_started(plan.epoch)
         self.finished = False
+
+    @property
+    def cursor(self) -> Cursor:
+        """Where the consumer stands: the batches it accepted (call under ``lock``)."""
+        return self._start.moved(self._prefix, frozenset(self._after))
 
     async def take(self) -> Delivery:
         if self.untaken <= 0:
@@ -258,8 +260,16 @@ class EpochPass:
     def accept(self, d: Delivery, waited_ns: int | None = None) -> Any:
         self.run.release(d, self.rec, waited_ns)
         self.left -= 1
+        pos: int = d.unit.key  # type: ignore[attr-defined]
         with self.lock:
-            self.cursor = self.cursor.deliver(d.unit.key)  # type: ignore[attr-defined]
+            if pos == self._prefix:
+                pos += 1
+                while pos in self._after:
+                    self._after.discard(pos)
+                    pos += 1
+                self._prefix = pos
+            else:
+                self._after.add(pos)
         if d.skipped:
             self._count_skipped(d.skipped)
         return d.data
