@@ -234,8 +234,9 @@ class Feed(Generic[T]):
         task = self._task
         if task is not None and not task.done():
             task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
+            # Waits without raising how the task ended (a task cancelled before its first
+            # step ends cancelled); a cancellation of aclose() itself still propagates.
+            await asyncio.wait([task])
 
 
 class _Call:
