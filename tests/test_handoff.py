@@ -132,7 +132,9 @@ def test_timeout_cancels_the_coroutine(portal: Portal) -> None:
     assert ended.wait(WAIT)
 
 
-def test_portal_closed_under_a_waiting_caller(portal: Portal) -> None:
+@pytest.mark.parametrize("how", ["call", "feed"])
+def test_portal_closed_under_a_waiting_caller(portal: Portal, how: str) -> None:
+    # portal.call() (one-off calls) and Feed.get() (the for face) wait on the loop alike.
     started = threading.Event()
     seen: list[BaseException] = []
 
@@ -142,7 +144,10 @@ def test_portal_closed_under_a_waiting_caller(portal: Portal) -> None:
 
     def caller() -> None:
         try:
-            portal.call(forever())
+            if how == "call":
+                portal.call(forever())
+            else:
+                Feed(portal, forever).get()
         except BaseException as exc:
             seen.append(exc)
 
@@ -200,31 +205,6 @@ def test_feed_raises_an_error_after_the_items_taken_before_it(portal: Portal, ex
     with pytest.raises(type(exc)):
         feed.get()
     assert portal.thread.is_alive()  # SystemExit reached the consumer, not the loop
-
-
-def test_feed_closed_portal_under_a_waiting_consumer(portal: Portal) -> None:
-    started = threading.Event()
-    seen: list[BaseException] = []
-
-    async def forever() -> None:
-        started.set()
-        await asyncio.Event().wait()
-
-    feed: Feed[None] = Feed(portal, forever)
-
-    def consumer() -> None:
-        try:
-            feed.get()
-        except BaseException as exc:
-            seen.append(exc)
-
-    t = threading.Thread(target=consumer)
-    t.start()
-    assert started.wait(WAIT)
-    portal.close()
-    t.join(WAIT)
-    assert not t.is_alive()
-    assert len(seen) == 1 and isinstance(seen[0], aioloader.LoaderClosedError)
 
 
 def test_feed_aclose_stops_taking_and_leaves_no_task(portal: Portal) -> None:
