@@ -36,18 +36,20 @@ class Waker:
 
     def call(self, fn: Callable[..., None], *args: Any) -> None:
         """``fn(*args)`` soon, on the loop; dropped if the loop is closed."""
+        # The wake-up is scheduled under the lock: a callback that joins a pending
+        # wake-up must not be overtaken by what its thread schedules next (the ``for``
+        # face releases its last batch, then asks the loop to finish the pass).
         with self._lock:
             self._pending.append((fn, args))
             if self._scheduled:
                 return
             self._scheduled = True
-        loop = self._loop()
-        try:
-            if loop is None:
-                raise RuntimeError("the loop is gone")
-            loop.call_soon_threadsafe(self._settle)
-        except RuntimeError:  # the loop is closed: nobody waits
-            with self._lock:
+            loop = self._loop()
+            try:
+                if loop is None:
+                    raise RuntimeError("the loop is gone")
+                loop.call_soon_threadsafe(self._settle)
+            except RuntimeError:  # the loop is closed: nobody waits
                 self._scheduled = False
                 self._pending.clear()
 
@@ -56,7 +58,14 @@ class Waker:
             pending, self._pending = self._pending, []
             self._scheduled = False
         for fn, args in pending:
-            fn(*args)
+            try:
+                fn(*args)
+            except Exception as exc:  # one failing callback must not strand the others
+                loop = self._loop()
+                if loop is not None:
+                    loop.call_exception_handler(
+                        {"message": f"aioloader: a wake-up callback failed: {fn!r}", "exception": exc}
+                    )
 
 
 def _settle(waiter: asyncio.Future[None]) -> None:

@@ -221,8 +221,8 @@ class StreamLoader(IterableLoader, Generic[Batch]):
         with self._lock:
             self._check_open()
             prev, self._active = self._active, None
-        if prev is not None and not prev.closed:
-            await prev.aclose_from_any_loop()  # one iteration at a time
+        if prev is not None:  # one iteration at a time (a run that ended is voided too:
+            await prev.aclose_from_any_loop()  # its consumer may hold batches taken ahead)
         with self._lock:
             self._check_open()
             side = WorkerSide(self._token, 0, self._shared.get_payload, self._inline_ctx)

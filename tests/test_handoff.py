@@ -57,6 +57,30 @@ def test_waker_settles_a_burst_with_one_wake_up() -> None:
         loop.close()
 
 
+def test_a_failing_wake_up_callback_strands_nothing_else() -> None:
+    # One wake-up runs every callback that joined it (results, the for face's
+    # releases): one that raises is reported to the loop and the others still run.
+    loop = asyncio.new_event_loop()
+    try:
+        reported: list[dict[str, Any]] = []
+        loop.set_exception_handler(lambda _loop, ctx: reported.append(ctx))
+        waker = _wake.Waker(loop)
+        ran: list[str] = []
+
+        def bad() -> None:
+            raise ValueError("boom")
+
+        waker.call(bad)
+        waker.call(ran.append, "after")
+        waiter = loop.create_future()
+        waker.wake(waiter)
+        loop.run_until_complete(asyncio.wait_for(waiter, WAIT))
+        assert ran == ["after"]
+        assert len(reported) == 1 and isinstance(reported[0]["exception"], ValueError)
+    finally:
+        loop.close()
+
+
 def test_waker_of_a_closed_loop_is_quiet_and_loops_are_held_weakly() -> None:
     loop = asyncio.new_event_loop()
     waker = _wake.waker_for(loop)
@@ -251,3 +275,18 @@ def test_the_for_face_takes_ahead_but_the_state_counts_what_it_accepted() -> Non
     with make() as resumed:
         resumed.load_state_dict(state)
         assert [b[1].tolist() for b in resumed] == reference[3:]
+
+
+@pytest.mark.timeout(60)
+def test_a_superseded_iteration_yields_nothing_it_was_handed_ahead() -> None:
+    # The feed took the whole (short) stream ahead and the run ended; a new iteration
+    # then supersedes the first, which must end at once, as when nothing was taken ahead.
+    with aioloader.StreamLoader(list(range(8)), batch_size=2, prefetch=8) as stream:
+        first = iter(stream)
+        assert next(first).tolist() == [0, 1]
+        run = stream._active
+        assert run is not None
+        wait_until(lambda: run.closed, WAIT, "the feed to take the whole stream")
+        second = iter(stream)
+        next(second)
+        assert list(first) == []

@@ -102,6 +102,16 @@ def test_whole_orders_are_pinned_and_inverted(n, seed, epoch, digest) -> None:
     assert np.array_equal(shuffle.inverse(order), pos)
 
 
+def test_one_position_as_a_scalar() -> None:
+    # An int position goes through the same rounds as an array of one.
+    shuffle = IndexShuffle(10, 0, 0)
+    assert shuffle(3).tolist() == [6] and shuffle.inverse(6).tolist() == [3]
+    big = IndexShuffle(10**12, 0, 0)
+    for p in (0, 5, 10**12 - 1):
+        assert big(p).tolist() == big(np.array([p])).tolist()
+        assert big.inverse(big(p)[0]).tolist() == [p]
+
+
 def test_bad_positions_are_refused() -> None:
     shuffle = IndexShuffle(10, 0, 0)
     with pytest.raises(IndexError, match=r"\[0, 10\)"):

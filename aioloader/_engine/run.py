@@ -86,7 +86,9 @@ class Run:
             self.grouper = GroupStage(self.dispatcher, cfg.group)
         self.closed = False
         self.ended = False  # the consumer saw the terminal entry
-        self._ended_in_take = False  # closed by take(), on its way to the consumer
+        # Closed from outside the consumer's take() (superseded, the loader closed): what
+        # the consumer's thread was handed ahead is void. take()'s own ending is not.
+        self._void = False
         self._unqueued = 0  # unordered: submitted units not yet on the ready queue
         self._terminal: _Terminal | None = None  # waiting for them
         self._producer: asyncio.Task[None] | None = None
@@ -267,7 +269,7 @@ class Run:
         thread; from another than the run's loop's, the loop frees it soon after."""
         if d.slot is None:
             return
-        if self.closed and not self._ended_in_take:
+        if self._void:
             # Closed under the consumer (a new iteration, close()): what was taken ahead
             # for it is void, as what was not taken yet.
             raise self._end_error()
@@ -281,8 +283,7 @@ class Run:
     async def _end_in_take(self) -> None:
         """The run ends where the consumer will see why (its end, or a unit's error):
         what was taken before stays the consumer's to release."""
-        self._ended_in_take = True
-        await self.aclose()
+        await self.aclose(void=False)
 
     def _count_and_free(self, d: Delivery, rec: _Epoch, waited: int, now: int) -> None:
         # Counted before the slot frees: a pull that the freed slot allows is never seen
@@ -322,9 +323,12 @@ class Run:
             self.cfg.recorder.released()
 
     # ------------------------------------------------------------------- closing
-    async def aclose(self) -> None:
+    async def aclose(self, *, void: bool = True) -> None:
         """Cancel pending work, close the source, and wait until all of it stopped.
-        Runs on the run's loop; idempotent (a second caller waits for the first)."""
+        Runs on the run's loop; idempotent (a second caller waits for the first).
+        ``void``: what was taken and not yet released can no longer be (all but take()'s
+        own ending, which hands the consumer the units before it)."""
+        self._void = self._void or void
         if self._close_done is not None:
             await asyncio.shield(self._close_done)
             return
@@ -366,6 +370,7 @@ class Run:
         the run's own loop (a task was started; a loop cannot wait for itself), or when
         that loop no longer runs (its own shutdown cancels what is left).
         """
+        self._void = True  # at once, not when the loop gets to it
         loop = self.loop
         if loop.is_closed():
             self._abandoned()

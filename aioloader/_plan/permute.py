@@ -77,16 +77,15 @@ def _hash(z: NDArray[np.uint64]) -> NDArray[np.uint64]:
 # same values, bit for bit).
 def _divmod(x: NDArray[np.uint64], d: np.uint64) -> tuple[NDArray[np.uint64], NDArray[np.uint64]]:
     q = x // d
-    r = q * d
-    np.subtract(x, r, out=r)
-    return q, r
+    return q, x - q * d  # x may be a scalar (one position)
 
 
-def _mod(z: NDArray[np.uint64], d: np.uint64) -> None:
-    """``z %= d`` in place."""
+def _mod(z: NDArray[np.uint64], d: np.uint64) -> NDArray[np.uint64]:
+    """``z % d``, in place when ``z`` is an array."""
     q = z // d
     q *= d
     z -= q
+    return z
 
 
 def _column(keys: Keys, rows: slice, cols: NDArray[np.intp] | None) -> Keys:
@@ -101,7 +100,7 @@ def _feistel(x: NDArray[np.uint64], a: int, b: int, keys: Keys) -> NDArray[np.ui
     left, right = _divmod(x, k)
     for key in keys:
         z = _hash(right ^ key)
-        _mod(z, m)
+        z = _mod(z, m)
         left += z  # < 2m: one conditional subtraction instead of a modulus
         np.minimum(left, left - m, out=left)  # left - m wraps round to a huge value if left < m
         left, right = right, left
@@ -119,7 +118,7 @@ def _feistel_inverse(x: NDArray[np.uint64], a: int, b: int, keys: Keys) -> NDArr
     for key in keys[::-1]:
         m, k = k, m  # the sizes of this round's (left, right)
         z = _hash(left ^ key)  # left is this round's right half
-        _mod(z, m)
+        z = _mod(z, m)
         right += m - z
         np.minimum(right, right - m, out=right)
         left, right = right, left
