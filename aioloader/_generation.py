@@ -1,7 +1,6 @@
 """One incarnation of a pool's executor, and every private name of ``concurrent.futures``
 and ``multiprocessing`` that aioloader reads (no other module reads any, but
-:mod:`aioloader._direct` those it lists, and :mod:`aioloader._forkserver` those of the
-forkserver).
+:mod:`aioloader._forkserver` those of the forkserver).
 
 A :class:`Generation` wraps one executor: the process pool or thread an owned
 :class:`~aioloader.WorkerPool` created, or the executor a user lent it. A crash ends a
@@ -53,8 +52,7 @@ from multiprocessing.connection import wait as wait_ready
 from multiprocessing.context import BaseContext
 from typing import Any
 
-from . import _byvalue, _forkserver, _reply, _worker
-from ._direct import DirectSubmit
+from . import _byvalue, _forkserver, _lanes, _reply, _worker
 from ._slots import Slots
 
 # What multiprocessing imports when the first process pool is made (its locks, shared
@@ -112,7 +110,7 @@ class Generation:
     tokens: frozenset[str] = frozenset()  # the payloads its workers receive when they start
     # Its submissions (the pool's Jobs), for the ones left unsettled once it is retired.
     jobs: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
-    direct: DirectSubmit | None = None  # an owned process pool's way round its threads
+    lanes: _lanes.Lanes | None = None  # an owned process pool's way round its threads
 
     @classmethod
     def processes_of(
@@ -136,7 +134,6 @@ class Generation:
             processes=pex._processes,
             slots=Slots(table),
             tokens=frozenset(payloads),
-            direct=DirectSubmit.of(pex),
         )
 
     def launch(self) -> None:
@@ -158,11 +155,34 @@ class Generation:
         # every reply unpickled, as soon as it arrives.
         return cls(number, ex, _reply.origin(isinstance(ex, cf.ProcessPoolExecutor)), owned=False)
 
+    def open_lanes(self, n: int) -> None:
+        """Start an owned process pool's ``n`` workers serving their lanes
+        (:mod:`aioloader._lanes`), or, with lanes turned off, give each a first task
+        (which starts the executor's manager thread)."""
+        if not _lanes.enabled():
+            for _ in range(n):
+                self.submit(_worker.noop)
+            return
+        lanes = _lanes.Lanes(n)
+        try:
+            lanes.start(self._submit, self.origin)
+        except BaseException:
+            lanes.join()
+            raise
+        self.lanes = lanes
+
     def submit(self, fn: Callable[..., Any], *args: Any) -> cf.Future[Any]:
-        """``executor.submit`` (or its direct path, :mod:`aioloader._direct`), watched
-        for a break (raises what the executor raises)."""
-        direct = self.direct
-        fut = direct.submit(fn, *args) if direct is not None else self.executor.submit(fn, *args)
+        """``executor.submit``, or through the lanes once they are open, watched for a
+        break (raises what the executor raises)."""
+        lanes = self.lanes
+        if lanes is None:
+            return self._submit(fn, *args)
+        fut = lanes.submit(fn, *args)
+        fut.add_done_callback(self.settled)
+        return fut
+
+    def _submit(self, fn: Callable[..., Any], *args: Any) -> cf.Future[Any]:
+        fut = self.executor.submit(fn, *args)
         if self.manager is None and self.processes is not None:
             self.manager = getattr(self.executor, "_executor_manager_thread", None)
         fut.add_done_callback(self.settled)
@@ -210,6 +230,9 @@ class Generation:
                 t.join(max(0.0, deadline - time.monotonic()))
             _forget_threads(ex)
             return
+        lanes = self.lanes
+        if lanes is not None:
+            lanes.stop()  # the workers stop serving and take the executor's shutdown
         procs = list((self.processes or {}).values())
         manager = self.manager or getattr(ex, "_executor_manager_thread", None)
         # The manager thread cancels the queued tasks itself: no cancel races a break.
@@ -226,6 +249,8 @@ class Generation:
             wait_ready(list(sentinels), 5.0)
         if manager is not None and manager is not threading.current_thread():
             manager.join(10.0)
+        if lanes is not None:
+            lanes.join()
         _reply.sweep_spills([p.pid for p in procs])
 
 

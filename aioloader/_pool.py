@@ -228,8 +228,7 @@ class WorkerPool:
                 if gen.processes is not None:
                     try:
                         gen.launch()
-                        for _ in range(self.num_workers):
-                            gen.submit(_worker.noop)
+                        gen.open_lanes(self.num_workers)
                     except Exception as exc:
                         self._refused(gen, exc)
                 # Only now: a task submitted while the processes were being launched would

@@ -430,7 +430,7 @@ if __name__ == "__main__":
     }[sys.argv[1]]()
 
 
-# ------------------------------------------------------------ direct submission tasks
+# ------------------------------------------------------------------ lane tasks
 def block_until_released(started: str, release: str) -> int:
     """A task that holds its worker: it creates ``started``, then reads the FIFO
     ``release`` until the test closes its end. Returns the worker's pid."""
@@ -442,3 +442,35 @@ def block_until_released(started: str, release: str) -> int:
 
 def length_of(data: bytes) -> int:
     return len(data)
+
+
+def pid_of(_: Any) -> int:
+    return os.getpid()
+
+
+class BreaksOnUnpickle:
+    """Pickles in the consumer; unpickling it (in a worker) raises ``ValueError``."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_refuse_to_unpickle, ())
+
+
+def _refuse_to_unpickle() -> None:
+    raise ValueError("this object cannot be rebuilt in a worker")
+
+
+def arrives_as_marker(path: str) -> Any:
+    """A task whose reply, as it is unpickled in the consumer, creates ``path``."""
+    return _Marker(path)
+
+
+class _Marker:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_touch, (self.path,))
+
+
+def _touch(path: str) -> None:
+    Path(path).touch()

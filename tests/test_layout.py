@@ -18,6 +18,7 @@ WORKER_SIDE = [
     "_worker.py",
     "_slots.py",
     "_reply.py",
+    "_lanes.py",
     "_spill.py",
     "_forkserver_preload.py",
     "_orphan.py",

@@ -1,0 +1,391 @@
+"""Lanes: each worker of an owned process pool reads its tasks from a pipe of its own and
+writes its replies to another, and one thread of the consumer serves all of them.
+
+Why: a ``ProcessPoolExecutor`` costs the consumer's process a great deal per task. Its
+``submit`` records a work item under a lock and wakes the manager thread; that thread
+moves the item to the call queue, whose feeder thread pickles and writes it; a worker's
+result comes back through one pipe shared by all workers, which the manager thread reads
+after building a new selector over every worker's sentinel, unpickles as a
+``_ResultItem`` and settles. On batches that cost a worker little, that machinery, not
+the workers, bounded the loader: 250-300 µs of the consumer's CPU per task here, most of
+it in the manager thread.
+
+So the executor only *hosts* the workers: it starts them, runs the pool initializer,
+notices a death (its manager thread watches the sentinels and breaks the pool), and
+shuts them down. Each worker runs one long task, :func:`serve`, for the life of its
+generation; the tasks themselves travel through the lanes:
+
+* a task goes to the lane with the fewest unanswered tasks, at most :data:`DEPTH` (the
+  one running and one waiting in its pipe, so the worker never waits for the consumer
+  between two tasks); beyond that it waits here and goes out the moment a lane replies,
+  from the lanes' thread, with no trip through the event loop;
+* a lane runs its tasks in the order sent, so a reply needs no id: it answers the oldest
+  unanswered task of its lane;
+* a message is an 8-byte length and a pickle (``ForkingPickler``, as the executor's); a
+  length of zero asks the worker to stop. Replies are :class:`aioloader._reply.Entry`
+  replies as before (small: larger outcomes are spilled beside the pipe);
+* a worker that dies breaks the executor, which fails the serve tasks' futures; every
+  unanswered task then fails with ``BrokenProcessPool``, as the executor fails its own
+  pending futures, and the pool works out who died holding what from the slot table as
+  before. A worker killed half-way through a reply leaves half a message in its own
+  lane only, which dies with the generation.
+
+Only the consumer's thread and the lanes' thread touch a lane, under one lock; the
+pipes are named FIFOs (``mkfifo``) that the consumer opens first, read-write, so that
+neither side's ``open`` waits for the other and the consumer never sees them end; each
+worker removes the names once it has opened them.
+
+This module never imports asyncio (:func:`serve` runs in workers).
+``AIOLOADER_LANES=0`` turns lanes off (every task goes through ``submit``).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import contextlib
+import os
+import pickle
+import secrets
+import selectors
+import struct
+import tempfile
+import threading
+from collections.abc import Callable
+from concurrent.futures.process import BrokenProcessPool
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
+
+from . import _reply
+
+__all__ = ["DEPTH", "ENV", "Lanes", "enabled", "serve"]
+
+ENV = "AIOLOADER_LANES"
+DEPTH = 2  # unanswered tasks a lane holds at most: one running, one waiting in its pipe
+_HEAD = struct.Struct("<Q")
+_READ = 1 << 18
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "1").strip() != "0" and hasattr(os, "mkfifo")
+
+
+def _frame(data: Any) -> bytes:
+    return _HEAD.pack(len(data)) + bytes(data)
+
+
+class _Lane:
+    __slots__ = ("inbuf", "out", "paths", "reply_fd", "sent", "task_fd", "watched")
+
+    def __init__(self, paths: tuple[str, str]) -> None:
+        self.paths = paths
+        flags = os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC
+        self.task_fd = self.reply_fd = -1
+        self.task_fd = os.open(paths[0], flags)
+        self.reply_fd = os.open(paths[1], flags)
+        self.sent: collections.deque[cf.Future[Any]] = collections.deque()
+        self.out = bytearray()  # what the pipe could not take yet
+        self.inbuf = bytearray()
+        self.watched = False  # the lanes' thread waits for the task pipe to take more
+
+
+class Lanes:
+    """The lanes of one generation of ``n`` workers; :meth:`start` hands each worker
+    its :func:`serve` task, :meth:`submit` sends a task, :meth:`stop` and :meth:`join`
+    end them."""
+
+    def __init__(self, n: int) -> None:
+        self._lock = threading.Lock()
+        self._pending: collections.deque[tuple[cf.Future[Any], bytes]] = collections.deque()
+        self._broken: str | None = None
+        self._closed = False  # stopped: no new task
+        self._finished = False  # joined: the lanes' thread reads what is left and ends
+        self._lanes: list[_Lane] = []
+        self._turn = 0  # where the next search for the least busy lane begins
+        self.sent = 0  # tasks sent on a lane as they were submitted
+        self.held = 0  # tasks that waited here for a lane to reply first
+        self.servers: list[cf.Future[Any]] = []  # the workers' serve tasks
+        stem = os.path.join(tempfile.gettempdir(), f"aioloader-lane-{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            for k in range(n):
+                paths = (f"{stem}-{k}.task", f"{stem}-{k}.reply")
+                for p in paths:
+                    os.mkfifo(p, 0o600)
+                self._lanes.append(_Lane(paths))
+        except BaseException:
+            self._release()
+            raise
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self._wake_r, selectors.EVENT_READ, None)
+        for lane in self._lanes:
+            self._sel.register(lane.reply_fd, selectors.EVENT_READ, lane)
+        self._thread = threading.Thread(target=self._serve, name="aioloader-lanes", daemon=True)
+        self._thread.start()
+
+    def start(self, submit: Callable[..., cf.Future[Any]], origin: _reply.Origin) -> None:
+        """Give each worker its lane: ``submit(serve, ...)`` once per lane (the
+        executor's own submit, which runs each on a worker of its own: the others are
+        busy serving theirs)."""
+        for lane in self._lanes:
+            fut = submit(serve, *lane.paths, origin)
+            self.servers.append(fut)
+            fut.add_done_callback(self._server_done)
+
+    # ------------------------------------------------------------ consumer's side
+    def submit(self, fn: Callable[..., Any], *args: Any) -> cf.Future[Any]:
+        """``executor.submit(fn, *args)`` through the lanes (raises what the executor's
+        would: ``BrokenProcessPool`` once a worker died, ``RuntimeError`` once closed)."""
+        fut: cf.Future[Any] = cf.Future()
+        try:
+            frame = _frame(ForkingPickler.dumps((fn, args)))
+        except Exception as exc:  # the task cannot be pickled: it fails alone
+            fut.set_exception(exc)
+            return fut
+        with self._lock:
+            if self._broken is not None:
+                raise BrokenProcessPool(self._broken)
+            if self._closed:
+                raise RuntimeError("cannot schedule new futures after shutdown")
+            lane = self._least_busy()
+            if self._pending or len(lane.sent) >= DEPTH:
+                self._pending.append((fut, frame))
+                self.held += 1
+            else:
+                self._send(lane, fut, frame)
+                self.sent += 1
+        return fut
+
+    def _least_busy(self) -> _Lane:
+        """The lane with the fewest unanswered tasks; ties go round the lanes in turn."""
+        lanes, n = self._lanes, len(self._lanes)
+        best = lanes[self._turn % n]
+        for k in range(1, n):
+            lane = lanes[(self._turn + k) % n]
+            if len(lane.sent) < len(best.sent):
+                best = lane
+        self._turn += 1
+        return best
+
+    def loads(self) -> list[int]:
+        """Unanswered tasks on each lane (tests, diagnostics)."""
+        with self._lock:
+            return [len(lane.sent) for lane in self._lanes]
+
+    def _send(self, lane: _Lane, fut: cf.Future[Any], frame: bytes) -> None:
+        """Send one task on ``lane`` (the lock held)."""
+        if not fut.set_running_or_notify_cancel():
+            return
+        lane.sent.append(fut)
+        if not lane.out:
+            try:
+                n = os.write(lane.task_fd, frame)
+            except BlockingIOError:
+                n = 0
+            if n == len(frame):
+                return
+            frame = frame[n:]
+        lane.out += frame
+        if not lane.watched:
+            self._wake()  # the lanes' thread writes the rest when the worker has read
+
+    def _wake(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.write(self._wake_w, b"\0")
+
+    # --------------------------------------------------------------- lanes' thread
+    def _serve(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # a bug here must not leave a task waiting for ever
+            self._fail_all(f"the pool's lanes failed: {type(exc).__name__}: {exc}")
+
+    def _loop(self) -> None:
+        while True:
+            for key, events in self._sel.select():
+                lane = key.data
+                if lane is None:
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(self._wake_r, 4096)
+                    if self._finished:
+                        for lane in self._lanes:
+                            self._read(lane)
+                        return
+                    self._watch()
+                    continue
+                if events & selectors.EVENT_WRITE:
+                    self._flush(lane)
+                if events & selectors.EVENT_READ:
+                    self._read(lane)
+
+    def _watch(self) -> None:
+        """Wait for room in the task pipes that hold unsent bytes."""
+        with self._lock:
+            for lane in self._lanes:
+                if lane.out and not lane.watched:
+                    self._sel.register(lane.task_fd, selectors.EVENT_WRITE, lane)
+                    lane.watched = True
+
+    def _flush(self, lane: _Lane) -> None:
+        with self._lock:
+            with contextlib.suppress(BlockingIOError):
+                del lane.out[: os.write(lane.task_fd, lane.out)]
+            if not lane.out:
+                self._sel.unregister(lane.task_fd)
+                lane.watched = False
+
+    def _read(self, lane: _Lane) -> None:
+        while True:
+            try:
+                chunk = os.read(lane.reply_fd, _READ)
+            except BlockingIOError:
+                break
+            lane.inbuf += chunk
+            if len(chunk) < _READ:
+                break
+        buf, pos, replies = lane.inbuf, 0, []
+        while len(buf) - pos >= _HEAD.size:
+            (size,) = _HEAD.unpack_from(buf, pos)
+            end = pos + _HEAD.size + size
+            if len(buf) < end:
+                break
+            replies.append(bytes(buf[pos + _HEAD.size : end]))
+            pos = end
+        del buf[:pos]
+        if not replies:
+            return
+        futs = []
+        with self._lock:
+            for _ in replies:
+                futs.append(lane.sent.popleft() if lane.sent else None)
+                if self._pending and len(lane.sent) < DEPTH:  # keep the worker busy first
+                    self._send(lane, *self._pending.popleft())
+        for fut, data in zip(futs, replies, strict=True):
+            try:  # even with nobody waiting: arrival frees what the reply holds
+                value = pickle.loads(data)
+            except BaseException as exc:  # arrival never raises (see _reply): the task's error
+                if fut is not None:
+                    fut.set_exception(exc)
+            else:
+                if fut is not None:
+                    fut.set_result(value)
+
+    # ------------------------------------------------------------------- ending
+    def _server_done(self, fut: cf.Future[Any]) -> None:
+        """A worker's serve task ended: while the lanes are open, its worker died (the
+        executor broke) or its lane failed; every unanswered task fails as the
+        executor fails its pending ones, and the pool retires the generation."""
+        if self._closed:
+            return
+        why = "the pool's lanes stopped"
+        if not fut.cancelled() and fut.exception() is not None:
+            why = f"{why}: {fut.exception()}"
+        self._fail_all(why)
+
+    def _fail_all(self, why: str) -> None:
+        with self._lock:
+            if self._broken is None:
+                self._broken = why
+            futs = [f for lane in self._lanes for f in lane.sent] + [f for f, _ in self._pending]
+            for lane in self._lanes:
+                lane.sent.clear()
+            self._pending.clear()
+        for f in futs:
+            if not f.done():
+                f.set_exception(BrokenProcessPool(why))
+
+    def stop(self) -> None:
+        """Ask every worker to stop serving once it has answered what it holds (it then
+        takes the executor's shutdown); new tasks are refused. Never waits."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for lane in self._lanes:
+                if not lane.out:  # not after half a message
+                    with contextlib.suppress(OSError):
+                        os.write(lane.task_fd, _HEAD.pack(0))
+
+    def join(self) -> None:
+        """Once the workers are gone: read what they wrote last (unpickling a reply
+        frees what it holds, its shared-memory name or its ring space), end the lanes'
+        thread, fail what is still unanswered and free the pipes. Idempotent."""
+        self.stop()
+        self._finished = True
+        self._wake()
+        if self._thread is not threading.current_thread():
+            self._thread.join(5.0)
+        self._fail_all("the pool was shut down")
+        with self._lock:
+            if self._wake_r < 0:
+                return
+            self._sel.close()
+            for fd in (self._wake_r, self._wake_w):
+                os.close(fd)
+            self._wake_r = self._wake_w = -1
+        self._release()
+
+    def _release(self) -> None:
+        for lane in self._lanes:
+            for fd in (lane.task_fd, lane.reply_fd):
+                if fd >= 0:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+            for p in lane.paths:
+                with contextlib.suppress(OSError):
+                    os.unlink(p)
+
+
+# ------------------------------------------------------------------- worker side
+def serve(task_path: str, reply_path: str, origin: _reply.Origin) -> None:
+    """A worker's task for the life of its generation: run every task its lane sends,
+    in order, and write each reply back, until asked to stop or the consumer is gone."""
+    rfd = os.open(task_path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        wfd = os.open(reply_path, os.O_WRONLY | os.O_CLOEXEC)
+    except BaseException:
+        os.close(rfd)
+        raise
+    for p in (task_path, reply_path):
+        with contextlib.suppress(OSError):
+            os.unlink(p)
+    try:
+        while True:
+            head = _read_exact(rfd, _HEAD.size)
+            if head is None or not _HEAD.unpack(head)[0]:
+                return
+            body = _read_exact(rfd, _HEAD.unpack(head)[0])
+            if body is None:
+                return
+            try:
+                fn, args = pickle.loads(body)
+            except BaseException as exc:  # a task that cannot be unpickled here fails alone
+                fn, args = _reply.Entry(_raise, origin), (exc,)
+            data = _frame(ForkingPickler.dumps(fn(*args)))
+            view = memoryview(data)
+            while view:
+                view = view[os.write(wfd, view) :]
+    finally:
+        os.close(rfd)
+        os.close(wfd)
+
+
+def _read_exact(fd: int, n: int) -> bytes | None:
+    """``n`` bytes from ``fd``, or ``None`` at its end."""
+    first = os.read(fd, n)
+    if not first:
+        return None
+    if len(first) == n:
+        return first
+    parts, got = [first], len(first)
+    while got < n:
+        chunk = os.read(fd, min(n - got, _READ))
+        if not chunk:
+            return None
+        parts.append(chunk)
+        got += len(chunk)
+    return b"".join(parts)
+
+
+def _raise(exc: BaseException) -> None:
+    raise exc
