@@ -177,9 +177,8 @@ class Generation:
         lanes = self.lanes
         if lanes is None:
             return self._submit(fn, *args)
-        fut = lanes.submit(fn, *args)
-        fut.add_done_callback(self.settled)
-        return fut
+        # Not watched itself: a break fails the serve tasks first, which are.
+        return lanes.submit(fn, *args)
 
     def _submit(self, fn: Callable[..., Any], *args: Any) -> cf.Future[Any]:
         fut = self.executor.submit(fn, *args)
