@@ -157,13 +157,16 @@ class Generation:
 
     def open_lanes(self, n: int) -> None:
         """Start an owned process pool's ``n`` workers serving their lanes
-        (:mod:`aioloader._lanes`), or, with lanes turned off, give each a first task
-        (which starts the executor's manager thread)."""
-        if not _lanes.enabled():
+        (:mod:`aioloader._lanes`), or, with lanes turned off or impossible here, give
+        each a first task (which starts the executor's manager thread)."""
+        try:
+            lanes = _lanes.Lanes(n) if _lanes.enabled() else None
+        except OSError:  # no FIFOs here (a read-only temporary directory): the executor's way
+            lanes = None
+        if lanes is None:
             for _ in range(n):
                 self.submit(_worker.noop)
             return
-        lanes = _lanes.Lanes(n)
         try:
             lanes.start(self._submit, self.origin)
         except BaseException:

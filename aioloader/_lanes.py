@@ -15,10 +15,13 @@ notices a death (its manager thread watches the sentinels and breaks the pool), 
 shuts them down. Each worker runs one long task, :func:`serve`, for the life of its
 generation; the tasks themselves travel through the lanes:
 
-* a task goes to the lane with the fewest unanswered tasks, at most :data:`DEPTH` (the
-  one running and one waiting in its pipe, so the worker never waits for the consumer
-  between two tasks); beyond that it waits here and goes out the moment a lane replies,
-  from the lanes' thread, with no trip through the event loop;
+* a task goes to the lane with the fewest unanswered tasks, at most two while tasks are
+  short (one running and one waiting in its pipe, so the worker never waits for the
+  consumer between two tasks) and one once they take a worker :data:`LONG_NS` or more
+  (a task waiting behind a long one could not go to a worker that frees first, and the
+  wait between two tasks is then small beside them); beyond that it waits here and goes
+  out the moment a lane replies, from the lanes' thread, with no trip through the event
+  loop;
 * a lane runs its tasks in the order sent, so a reply needs no id: it answers the oldest
   unanswered task of its lane;
 * a message is an 8-byte length and a pickle (``ForkingPickler``, as the executor's); a
@@ -51,6 +54,7 @@ import selectors
 import struct
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool
 from multiprocessing.reduction import ForkingPickler
@@ -58,10 +62,12 @@ from typing import Any
 
 from . import _reply
 
-__all__ = ["DEPTH", "ENV", "Lanes", "enabled", "serve"]
+__all__ = ["DEPTH", "ENV", "LONG_NS", "Lanes", "enabled", "serve"]
 
 ENV = "AIOLOADER_LANES"
 DEPTH = 2  # unanswered tasks a lane holds at most: one running, one waiting in its pipe
+LONG_NS = 3_000_000  # tasks this long (on average) go one to a lane at a time (grouped batches aim at 2 ms)
+_ALPHA = 0.25  # weight of the newest task in the average
 _HEAD = struct.Struct("<Q")
 _READ = 1 << 18
 
@@ -75,7 +81,7 @@ def _frame(data: Any) -> bytes:
 
 
 class _Lane:
-    __slots__ = ("inbuf", "out", "paths", "reply_fd", "sent", "task_fd", "watched")
+    __slots__ = ("inbuf", "last_ns", "out", "paths", "reply_fd", "sent", "task_fd", "watched")
 
     def __init__(self, paths: tuple[str, str]) -> None:
         self.paths = paths
@@ -83,7 +89,8 @@ class _Lane:
         self.task_fd = self.reply_fd = -1
         self.task_fd = os.open(paths[0], flags)
         self.reply_fd = os.open(paths[1], flags)
-        self.sent: collections.deque[cf.Future[Any]] = collections.deque()
+        self.sent: collections.deque[tuple[cf.Future[Any], int]] = collections.deque()  # and when
+        self.last_ns = 0  # when the lane last answered
         self.out = bytearray()  # what the pipe could not take yet
         self.inbuf = bytearray()
         self.watched = False  # the lanes' thread waits for the task pipe to take more
@@ -102,6 +109,8 @@ class Lanes:
         self._finished = False  # joined: the lanes' thread reads what is left and ends
         self._lanes: list[_Lane] = []
         self._turn = 0  # where the next search for the least busy lane begins
+        self.depth = DEPTH  # unanswered tasks a lane may hold now
+        self.task_ns: float | None = None  # average time a task kept its worker
         self.sent = 0  # tasks sent on a lane as they were submitted
         self.held = 0  # tasks that waited here for a lane to reply first
         self.servers: list[cf.Future[Any]] = []  # the workers' serve tasks
@@ -148,7 +157,7 @@ class Lanes:
             if self._closed:
                 raise RuntimeError("cannot schedule new futures after shutdown")
             lane = self._least_busy()
-            if self._pending or len(lane.sent) >= DEPTH:
+            if self._pending or len(lane.sent) >= self.depth:
                 self._pending.append((fut, frame))
                 self.held += 1
             else:
@@ -176,7 +185,7 @@ class Lanes:
         """Send one task on ``lane`` (the lock held)."""
         if not fut.set_running_or_notify_cancel():
             return
-        lane.sent.append(fut)
+        lane.sent.append((fut, time.monotonic_ns()))
         if not lane.out:
             try:
                 n = os.write(lane.task_fd, frame)
@@ -188,6 +197,13 @@ class Lanes:
         lane.out += frame
         if not lane.watched:
             self._wake()  # the lanes' thread writes the rest when the worker has read
+
+    def _observe(self, ns: int) -> None:
+        """A task kept its worker about ``ns`` (from when it was sent, or when the task
+        before it was answered): update the average and the depth (the lock held)."""
+        t = self.task_ns
+        t = self.task_ns = ns if t is None else (1 - _ALPHA) * t + _ALPHA * ns
+        self.depth = 1 if t >= LONG_NS else DEPTH
 
     def _wake(self) -> None:
         with contextlib.suppress(BlockingIOError, OSError):
@@ -254,11 +270,18 @@ class Lanes:
         del buf[:pos]
         if not replies:
             return
-        futs = []
+        futs: list[cf.Future[Any] | None] = []
+        now = time.monotonic_ns()
         with self._lock:
             for _ in replies:
-                futs.append(lane.sent.popleft() if lane.sent else None)
-                if self._pending and len(lane.sent) < DEPTH:  # keep the worker busy first
+                if lane.sent:
+                    fut, sent_ns = lane.sent.popleft()
+                    self._observe(now - max(sent_ns, lane.last_ns))
+                    futs.append(fut)
+                else:
+                    futs.append(None)
+                lane.last_ns = now
+                while self._pending and len(lane.sent) < self.depth:  # keep the worker busy first
                     self._send(lane, *self._pending.popleft())
         for fut, data in zip(futs, replies, strict=True):
             try:  # even with nobody waiting: arrival frees what the reply holds
@@ -286,7 +309,7 @@ class Lanes:
         with self._lock:
             if self._broken is None:
                 self._broken = why
-            futs = [f for lane in self._lanes for f in lane.sent] + [f for f, _ in self._pending]
+            futs = [f for lane in self._lanes for f, _ in lane.sent] + [f for f, _ in self._pending]
             for lane in self._lanes:
                 lane.sent.clear()
             self._pending.clear()

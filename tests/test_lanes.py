@@ -83,6 +83,27 @@ def test_beyond_two_unanswered_a_lane_takes_nothing_more(pool: aioloader.WorkerP
     assert gen.lanes.loads() == [0, 0]
 
 
+def test_once_tasks_are_long_a_lane_holds_one_at_a_time(pool: aioloader.WorkerPool, tmp_path: Path) -> None:
+    """Behind a long task, a second one could not go to the worker that frees first:
+    once the measured average reaches LONG_NS, each lane holds only what its worker
+    runs, and every other task waits in the consumer for the first lane to answer."""
+    gen = _gen(pool)
+    lanes = gen.lanes
+    assert lanes.depth == _lanes.DEPTH
+    with lanes._lock:
+        lanes._observe(10 * _lanes.LONG_NS)  # what the lanes' thread records as replies come
+    assert lanes.depth == 1
+    held = _Held(gen, tmp_path)
+    futures = [gen.submit(pow, k, 2) for k in range(4)]
+    assert lanes.loads() == [1, 1] and lanes.held == 4
+    held.release()
+    assert [f.result(timeout=30) for f in futures] == [k * k for k in range(4)]
+    with lanes._lock:
+        for _ in range(40):  # short tasks bring the average down again
+            lanes._observe(0)
+    assert lanes.depth == _lanes.DEPTH
+
+
 def test_a_task_too_large_for_the_pipe_never_blocks_the_submitting_thread(
     pool: aioloader.WorkerPool, tmp_path: Path
 ) -> None:
@@ -119,6 +140,19 @@ def test_the_environment_turns_them_off(monkeypatch: pytest.MonkeyPatch) -> None
         gen = p.start()
         assert gen.lanes is None
         assert gen.submit(pow, 5, 2).result(timeout=30) == 25
+    finally:
+        p.close()
+
+
+def test_without_room_for_the_fifos_tasks_take_the_executors_way(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(_lanes.tempfile, "gettempdir", lambda: str(tmp_path / "missing"))
+    p = aioloader.WorkerPool(1)
+    try:
+        gen = p.start()
+        assert gen.lanes is None
+        assert gen.submit(pow, 6, 2).result(timeout=30) == 36
     finally:
         p.close()
 
