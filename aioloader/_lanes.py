@@ -275,9 +275,9 @@ class Lanes:
         with self._lock:
             for _ in replies:
                 if lane.sent:
-                    fut, sent_ns = lane.sent.popleft()
+                    head, sent_ns = lane.sent.popleft()
                     self._observe(now - max(sent_ns, lane.last_ns))
-                    futs.append(fut)
+                    futs.append(head)
                 else:
                     futs.append(None)
                 lane.last_ns = now
