@@ -133,26 +133,19 @@ def test_a_task_that_cannot_be_unpickled_in_the_worker_fails_alone(pool: aioload
     assert gen.submit(pow, 4, 2).result(timeout=30) == 16  # the worker still serves its lane
 
 
-def test_the_environment_turns_them_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(_lanes.ENV, "0")
+@pytest.mark.parametrize("why", ["turned off", "no room for the FIFOs"])
+def test_without_lanes_tasks_take_the_executors_way(
+    why: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    if why == "turned off":
+        monkeypatch.setenv(_lanes.ENV, "0")
+    else:  # mkfifo fails: the temporary directory does not exist
+        monkeypatch.setattr(_lanes.tempfile, "gettempdir", lambda: str(tmp_path / "missing"))
     p = aioloader.WorkerPool(1)
     try:
         gen = p.start()
         assert gen.lanes is None
         assert gen.submit(pow, 5, 2).result(timeout=30) == 25
-    finally:
-        p.close()
-
-
-def test_without_room_for_the_fifos_tasks_take_the_executors_way(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    monkeypatch.setattr(_lanes.tempfile, "gettempdir", lambda: str(tmp_path / "missing"))
-    p = aioloader.WorkerPool(1)
-    try:
-        gen = p.start()
-        assert gen.lanes is None
-        assert gen.submit(pow, 6, 2).result(timeout=30) == 36
     finally:
         p.close()
 
