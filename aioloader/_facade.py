@@ -219,7 +219,16 @@ class LoaderBase:
         payload pickled off the caller's loop) if it is still NEW."""
         self._check_open()
         if self._state is Lifecycle.NEW:
-            await asyncio.get_running_loop().run_in_executor(None, self._prepare)
+            await asyncio.get_running_loop().run_in_executor(None, self._prepare_and_start)
+
+    def _prepare_and_start(self) -> None:
+        """:meth:`_prepare`, then the pool's workers started from the same thread: they
+        take longest to be ready, so they start before the pass builds its plan and
+        window. A pool that cannot start is left to the pass's first task, which reports
+        it as it would have without this head start."""
+        self._prepare()
+        with contextlib.suppress(Exception):
+            self._pool.start()
 
     def _install_inline(self, ctx: _worker.WorkerContext) -> None:
         _worker.install_context(self._token, ctx)

@@ -27,6 +27,16 @@ It holds the consumer's memory as it was at that moment, shared copy-on-write, u
 the consumer exits: memory the consumer frees later stays resident in it. Set
 ``AIOLOADER_FORKSERVER=spawn`` to always use the spawned forkserver.
 
+The resource tracker comes the same way. multiprocessing starts it, before the first
+worker, as a new interpreter (``python -c ...``): about 30 ms of a core, on a 2-core
+machine half of the cores for most of the time to the first batch. When the forked
+server is installed and no tracker runs yet, the server forks one first (its child,
+named ``aioloader-trk``) that runs multiprocessing's own tracker loop
+(``resource_tracker.main``) on a pipe the consumer made; the consumer records the write
+end as its tracker, as ``ensure_running`` would, and passes it to every worker as
+usual. The tracker ends, cleaning up what was leaked, once the consumer and every
+worker have closed that end.
+
 Private names read, because the public API has no way to install a forkserver:
 
 =================================================  ===============================================
@@ -35,6 +45,9 @@ Private names read, because the public API has no way to install a forkserver:
 ``._forkserver_alive_fd``, ``._preload_modules``,  inherits from its parent's
 ``._lock``
 ``multiprocessing.forkserver._serve_one``          naming the workers (in the forked server only)
+``multiprocessing.resource_tracker``:              adopting the forked tracker (what
+``._resource_tracker._fd``, ``._pid``,             ``ensure_running`` records), running
+``._lock``, ``.main``                              its loop
 =================================================  ===============================================
 
 This module never imports asyncio.
@@ -63,6 +76,7 @@ __all__ = ["after_fork_in_child", "prepare", "server_pid"]
 ENV = "AIOLOADER_FORKSERVER"  # "spawn": never fork the forkserver
 PROCESS_NAME = b"aioloader-fsrv"  # its /proc/<pid>/comm (its command line is the consumer's)
 WORKER_NAME = b"aioloader-work"  # the name of each worker it forks
+TRACKER_NAME = b"aioloader-trk"  # the resource tracker it forks
 
 _lock = threading.Lock()
 _NATIVE_AT_IMPORT: int | None = None  # set below, once the module's imports are done
@@ -120,7 +134,7 @@ def _fork_server(server: Any) -> None:
     """What ``ForkServer.ensure_running`` does, with ``os.fork`` in place of a new
     interpreter. Holds the server's own lock, as that method does."""
     with server._lock:
-        mp_tracker.ensure_running()  # its fd is passed to each worker, as usual
+        tracker = _tracker_pipe()
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()
@@ -137,31 +151,78 @@ def _fork_server(server: Any) -> None:
                     warnings.simplefilter("ignore", DeprecationWarning)
                     pid = os.fork()
             except BaseException:
-                os.close(alive_r)
-                os.close(alive_w)
+                for fd in (alive_r, alive_w, *(tracker or ())):
+                    os.close(fd)
                 raise
             if pid == 0:  # pragma: no cover - the forked server (coverage does not follow it)
                 code = 1
                 try:
                     os.close(alive_w)
-                    _serve(listener.fileno(), alive_r)
+                    _serve(listener.fileno(), alive_r, tracker)
                     code = 0
                 except SystemExit:  # forkserver.main's way out, once every client is gone
                     code = 0
                 finally:
                     os._exit(code)
             os.close(alive_r)
+        if tracker is not None:
+            os.close(tracker[0])
+            _adopt_tracker(tracker[1])
         server._forkserver_address = address
         server._forkserver_alive_fd = alive_w
         server._forkserver_pid = pid
 
 
-def _serve(listener_fd: int, alive_r: int) -> None:  # pragma: no cover - in the forked server
+def _tracker_pipe() -> tuple[int, int] | None:
+    """The pipe of a resource tracker to fork (see :func:`_track`), or ``None`` when one
+    already runs (then checked, and started again if it died, as multiprocessing does)."""
+    rt: Any = mp_tracker._resource_tracker
+    if rt._fd is not None:
+        mp_tracker.ensure_running()
+        return None
+    return os.pipe()
+
+
+def _adopt_tracker(w: int) -> None:
+    """Make the forked tracker this process's: what ``ensure_running`` records after it
+    spawns one. Its pid stays ``None``, as in any process whose tracker another process
+    started: it is the forkserver's child, not ours (a dead one is still noticed, by the
+    write that probes it, and spawned again)."""
+    rt: Any = mp_tracker._resource_tracker
+    with rt._lock:
+        rt._fd, rt._pid = w, None
+
+
+def _track(r: int, close: tuple[int, ...]) -> None:  # pragma: no cover - in the forked tracker
+    """The resource tracker, forked from the forkserver: multiprocessing's own loop
+    (``resource_tracker.main``) on the read end of the consumer's pipe, with none of a
+    new interpreter's start-up (about 30 ms of a core, taken from the first batch)."""
+    code = 1
+    try:
+        for fd in close:
+            os.close(fd)
+        _name_process(TRACKER_NAME)
+        mp_tracker.main(r)
+        code = 0
+    finally:
+        os._exit(code)
+
+
+def _serve(listener_fd: int, alive_r: int, tracker: tuple[int, int] | None) -> None:  # pragma: no cover
     global _lock
     # Both locks were held by the fork; workers forked from here inherit these copies.
     _lock = threading.Lock()
     forkserver._forkserver._lock = threading.Lock()  # type: ignore[attr-defined]
     _name_process(PROCESS_NAME)
+    if tracker is not None:
+        r, w = tracker
+        os.close(w)  # the consumer's end: the tracker stops once every copy of it is closed
+        if os.fork() == 0:
+            _track(r, (listener_fd, alive_r))
+        os.close(r)
+        # The tracker is our child: multiprocessing's loop reaps it, and would warn that
+        # it never forked that pid.
+        warnings.filterwarnings("ignore", message="forkserver: waitpid returned unexpected pid")
     for sig in signal.valid_signals():
         with contextlib.suppress(OSError, ValueError, TypeError):
             if callable(signal.getsignal(sig)):

@@ -20,7 +20,7 @@ processes a pool runs, which one died, or stop a stuck worker:
 =================================================  ===============================================
 ``ProcessPoolExecutor._processes``                 worker pids, exit codes at a break, killing
 ``ProcessPoolExecutor._executor_manager_thread``   is a callback in it; joining it when retired
-``ProcessPoolExecutor._launch_processes``          starting every worker before the first task
+``ProcessPoolExecutor._launch_processes``          forking every worker, before any task
 ``ProcessPoolExecutor._max_workers``,              concurrency of a borrowed executor
 ``ThreadPoolExecutor._max_workers``
 ``ThreadPoolExecutor._threads``,                   letting interpreter exit pass an abandoned,
@@ -111,6 +111,7 @@ class Generation:
     # Its submissions (the pool's Jobs), for the ones left unsettled once it is retired.
     jobs: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
     lanes: _lanes.Lanes | None = None  # an owned process pool's way round its threads
+    launcher: threading.Thread | None = None  # starting the workers of the lanes
 
     @classmethod
     def processes_of(
@@ -123,17 +124,26 @@ class Generation:
             _byvalue.drop_fake_main_file()
         _forkserver.prepare(ctx)  # again: a forked child rebuilding a pool has no forkserver
         _retire_at_child_exit()
-        with tracker_safe():
-            table = ctx.RawArray("q", Slots.WIDTH * n)
-            args = (dict(payloads), table, _slot_lock(ctx), ctx.RawValue("i", 0), n, os.getpid())
-            pex = cf.ProcessPoolExecutor(n, ctx, _worker.pool_initializer, args)
+        origin = _reply.origin(True)
+        lanes = _lanes.Lanes.open(n)
+        try:
+            with tracker_safe():
+                table = ctx.RawArray("q", Slots.WIDTH * n)
+                paths = lanes.paths() if lanes is not None else None
+                args = (dict(payloads), table, _slot_lock(ctx), ctx.RawValue("i", 0), n, os.getpid(), paths, origin)
+                pex = cf.ProcessPoolExecutor(n, ctx, _worker.pool_initializer, args)
+        except BaseException:
+            if lanes is not None:
+                lanes.join()
+            raise
         return cls(
             number,
             pex,
-            _reply.origin(True),
+            origin,
             processes=pex._processes,
             slots=Slots(table),
             tokens=frozenset(payloads),
+            lanes=lanes,
         )
 
     def launch(self) -> None:
@@ -155,24 +165,47 @@ class Generation:
         # every reply unpickled, as soon as it arrives.
         return cls(number, ex, _reply.origin(isinstance(ex, cf.ProcessPoolExecutor)), owned=False)
 
-    def open_lanes(self, n: int) -> None:
-        """Start an owned process pool's ``n`` workers serving their lanes
-        (:mod:`aioloader._lanes`), or, with lanes turned off or impossible here, give
-        each a first task (which starts the executor's manager thread)."""
-        try:
-            lanes = _lanes.Lanes(n) if _lanes.enabled() else None
-        except OSError:  # no FIFOs here (a read-only temporary directory): the executor's way
-            lanes = None
-        if lanes is None:
+    def start_workers(self, n: int) -> None:
+        """Start an owned process pool's ``n`` workers.
+
+        With lanes (:mod:`aioloader._lanes`) this returns at once: each worker serves
+        its lane from the end of its initializer, so a task sent now waits in its lane's
+        pipe and runs the moment that worker is up, while the next one is still being
+        forked (the forkserver forks one at a time). A thread of its own
+        (:meth:`_launch`) forks them. Without lanes (turned off, or no FIFOs here) it
+        forks them all and gives each a first task, which starts the executor's
+        manager thread."""
+        if self.lanes is None:
+            self.launch()
             for _ in range(n):
                 self.submit(_worker.noop)
             return
+        self.launcher = threading.Thread(target=self._launch, args=(self.lanes,), name="aioloader-launch", daemon=True)
+        self.launcher.start()
+
+    def _launch(self, lanes: _lanes.Lanes) -> None:
+        """The launcher thread: fork the workers, then submit one task that no worker
+        runs while it serves its lane. Submitting it starts the executor's manager
+        thread, which watches the workers; when one dies, the executor fails that task,
+        and the lanes fail theirs (:meth:`~aioloader._lanes.Lanes.watch`). A failure to
+        fork (the forkserver gone, no more processes) fails the tasks sent so far, as a
+        worker dying as it started would: they come back lost and the pool rebuilds the
+        generation."""
         try:
-            lanes.start(self._submit, self.origin)
-        except BaseException:
-            lanes.join()
-            raise
-        self.lanes = lanes
+            self.launch()
+            lanes.watch(self._submit(_worker.noop))
+        except BaseException as exc:
+            if isinstance(exc, cf.BrokenExecutor):
+                self.broken = True
+            if self.failure is None:
+                self.failure = exc
+            lanes.fail(f"the pool could not start its workers ({type(exc).__name__}: {exc})")
+
+    def launched(self) -> None:
+        """Wait until every worker of the lanes has been forked (or failed to be)."""
+        launcher = self.launcher
+        if launcher is not None and launcher is not threading.current_thread():
+            launcher.join(_LAUNCH_WAIT)
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> cf.Future[Any]:
         """``executor.submit``, or through the lanes once they are open, watched for a
@@ -210,6 +243,7 @@ class Generation:
         return {}, self.slots.snapshot() if self.slots is not None else {}
 
     def pids(self) -> list[int]:
+        self.launched()
         return sorted(list(self.processes)) if self.processes is not None else []
 
     def abandon_thread(self) -> None:
@@ -232,6 +266,7 @@ class Generation:
                 t.join(max(0.0, deadline - time.monotonic()))
             _forget_threads(ex)
             return
+        self.launched()  # no worker may be forked after the shutdown
         lanes = self.lanes
         if lanes is not None:
             lanes.stop()  # the workers stop serving and take the executor's shutdown
@@ -254,6 +289,9 @@ class Generation:
         if lanes is not None:
             lanes.join()
         _reply.sweep_spills([p.pid for p in procs])
+
+
+_LAUNCH_WAIT = 30.0  # seconds: forking a worker takes milliseconds; a stuck forkserver is not waited on for ever
 
 
 @contextlib.contextmanager

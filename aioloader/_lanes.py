@@ -12,8 +12,10 @@ it in the manager thread.
 
 So the executor only *hosts* the workers: it starts them, runs the pool initializer,
 notices a death (its manager thread watches the sentinels and breaks the pool), and
-shuts them down. Each worker runs one long task, :func:`serve`, for the life of its
-generation; the tasks themselves travel through the lanes:
+shuts them down. Each worker serves its lane (:func:`serve`) from the end of the pool
+initializer, for the life of its generation, so a task sent before its worker is up
+waits in the pipe and runs the moment it is; the tasks themselves travel through the
+lanes:
 
 * a task goes to the lane with the fewest unanswered tasks, at most two while tasks are
   short (one running and one waiting in its pipe, so the worker never waits for the
@@ -27,11 +29,11 @@ generation; the tasks themselves travel through the lanes:
 * a message is an 8-byte length and a pickle (``ForkingPickler``, as the executor's); a
   length of zero asks the worker to stop. Replies are :class:`aioloader._reply.Entry`
   replies as before (small: larger outcomes are spilled beside the pipe);
-* a worker that dies breaks the executor, which fails the serve tasks' futures; every
-  unanswered task then fails with ``BrokenProcessPool``, as the executor fails its own
-  pending futures, and the pool works out who died holding what from the slot table as
-  before. A worker killed half-way through a reply leaves half a message in its own
-  lane only, which dies with the generation.
+* a worker that dies breaks the executor, which fails its pending futures; one of them
+  is a task that no worker runs while it serves (:meth:`Lanes.watch`), so every
+  unanswered task then fails with ``BrokenProcessPool`` too, and the pool works out who
+  died holding what from the slot table as before. A worker killed half-way through a
+  reply leaves half a message in its own lane only, which dies with the generation.
 
 Only the consumer's thread and the lanes' thread touch a lane, under one lock; the
 pipes are named FIFOs (``mkfifo``) that the consumer opens first, read-write, so that
@@ -39,7 +41,7 @@ neither side's ``open`` waits for the other and the consumer never sees them end
 worker removes the names once it has opened them.
 
 This module never imports asyncio (:func:`serve` runs in workers).
-``AIOLOADER_LANES=0`` turns lanes off (every task goes through ``submit``).
+``AIOLOADER_LANES=0`` turns lanes off (every task goes through the executor's ``submit``).
 """
 
 from __future__ import annotations
@@ -97,8 +99,9 @@ class _Lane:
 
 
 class Lanes:
-    """The lanes of one generation of ``n`` workers; :meth:`start` hands each worker
-    its :func:`serve` task, :meth:`submit` sends a task, :meth:`stop` and :meth:`join`
+    """The lanes of one generation of ``n`` workers: their :meth:`paths` go to the
+    workers with the pool initializer's arguments, :meth:`submit` sends a task,
+    :meth:`watch` ties them to the executor's verdict, :meth:`stop` and :meth:`join`
     end them."""
 
     def __init__(self, n: int) -> None:
@@ -113,7 +116,7 @@ class Lanes:
         self.task_ns: float | None = None  # average time a task kept its worker
         self.sent = 0  # tasks sent on a lane as they were submitted
         self.held = 0  # tasks that waited here for a lane to reply first
-        self.servers: list[cf.Future[Any]] = []  # the workers' serve tasks
+        self.servers: list[cf.Future[Any]] = []  # executor tasks that end only when the lanes do
         stem = os.path.join(tempfile.gettempdir(), f"aioloader-lane-{os.getpid()}-{secrets.token_hex(4)}")
         try:
             for k in range(n):
@@ -132,14 +135,26 @@ class Lanes:
         self._thread = threading.Thread(target=self._serve, name="aioloader-lanes", daemon=True)
         self._thread.start()
 
-    def start(self, submit: Callable[..., cf.Future[Any]], origin: _reply.Origin) -> None:
-        """Give each worker its lane: ``submit(serve, ...)`` once per lane (the
-        executor's own submit, which runs each on a worker of its own: the others are
-        busy serving theirs)."""
-        for lane in self._lanes:
-            fut = submit(serve, *lane.paths, origin)
-            self.servers.append(fut)
-            fut.add_done_callback(self._server_done)
+    @classmethod
+    def open(cls, n: int) -> Lanes | None:
+        """Lanes for ``n`` workers, or ``None`` where they are turned off or no FIFO can
+        be made (a read-only temporary directory): tasks then go through the executor."""
+        if not enabled():
+            return None
+        try:
+            return cls(n)
+        except OSError:
+            return None
+
+    def paths(self) -> tuple[tuple[str, str], ...]:
+        """Each lane's (task, reply) FIFO paths, in worker order, for the workers."""
+        return tuple(lane.paths for lane in self._lanes)
+
+    def watch(self, fut: cf.Future[Any]) -> None:
+        """``fut`` is an executor task that no worker runs while the lanes are open: if
+        it ends first, a worker died (the executor broke) or left its lane."""
+        self.servers.append(fut)
+        fut.add_done_callback(self._server_done)
 
     # ------------------------------------------------------------ consumer's side
     def submit(self, fn: Callable[..., Any], *args: Any) -> cf.Future[Any]:
@@ -214,7 +229,7 @@ class Lanes:
         try:
             self._loop()
         except BaseException as exc:  # a bug here must not leave a task waiting for ever
-            self._fail_all(f"the pool's lanes failed: {type(exc).__name__}: {exc}")
+            self.fail(f"the pool's lanes failed: {type(exc).__name__}: {exc}")
 
     def _loop(self) -> None:
         while True:
@@ -295,17 +310,19 @@ class Lanes:
 
     # ------------------------------------------------------------------- ending
     def _server_done(self, fut: cf.Future[Any]) -> None:
-        """A worker's serve task ended: while the lanes are open, its worker died (the
-        executor broke) or its lane failed; every unanswered task fails as the
-        executor fails its pending ones, and the pool retires the generation."""
+        """A watched task ended: while the lanes are open, a worker died (the executor
+        broke) or left its lane (its lane failed, and it went on to run that task);
+        every unanswered task fails as the executor fails its pending ones, and the
+        pool retires the generation."""
         if self._closed:
             return
         why = "the pool's lanes stopped"
         if not fut.cancelled() and fut.exception() is not None:
             why = f"{why}: {fut.exception()}"
-        self._fail_all(why)
+        self.fail(why)
 
-    def _fail_all(self, why: str) -> None:
+    def fail(self, why: str) -> None:
+        """Fail every unanswered task and refuse new ones (``BrokenProcessPool``)."""
         with self._lock:
             if self._broken is None:
                 self._broken = why
@@ -338,7 +355,7 @@ class Lanes:
         self._wake()
         if self._thread is not threading.current_thread():
             self._thread.join(5.0)
-        self._fail_all("the pool was shut down")
+        self.fail("the pool was shut down")
         with self._lock:
             if self._wake_r < 0:
                 return
@@ -361,8 +378,9 @@ class Lanes:
 
 # ------------------------------------------------------------------- worker side
 def serve(task_path: str, reply_path: str, origin: _reply.Origin) -> None:
-    """A worker's task for the life of its generation: run every task its lane sends,
-    in order, and write each reply back, until asked to stop or the consumer is gone."""
+    """A worker's work for the life of its generation (called at the end of the pool
+    initializer): run every task its lane sends, in order, and write each reply back,
+    until asked to stop or the consumer is gone."""
     rfd = os.open(task_path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         wfd = os.open(reply_path, os.O_WRONLY | os.O_CLOEXEC)

@@ -219,20 +219,21 @@ class WorkerPool:
         return gen if gen is not None and gen.started and self._pid == os.getpid() else None
 
     def start(self) -> Generation:
-        """Create the generation and start all its workers in parallel (blocking; call
-        from a thread). Raises only aioloader errors; a generation that fails while it
-        starts is returned anyway, and its first task comes back :class:`Lost`."""
+        """Create the generation and have its workers started (blocking; call from a
+        thread). With lanes it returns once tasks can be sent, while the workers are
+        still being forked (see :meth:`Generation.start_workers`). Raises only aioloader
+        errors; a generation that fails while it starts is returned anyway, and its
+        first task comes back :class:`Lost`."""
         gen = self.current()
         with gen.lock:
             if not gen.started:
                 if gen.processes is not None:
                     try:
-                        gen.launch()
-                        gen.open_lanes(self.num_workers)
+                        gen.start_workers(self.num_workers)
                     except Exception as exc:
                         self._refused(gen, exc)
-                # Only now: a task submitted while the processes were being launched would
-                # make the executor spawn one more for itself.
+                # Only now: a task submitted to the executor while it launched its processes
+                # would make it spawn one more for itself.
                 gen.started = True
         return gen
 

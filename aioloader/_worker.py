@@ -22,6 +22,7 @@ This module never imports asyncio.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -35,7 +36,7 @@ from typing import Any, Literal, NamedTuple, TypeVar
 
 import numpy as np
 
-from . import _byvalue, _orphan, _reply, _seeding, _slots, _worker_info
+from . import _byvalue, _lanes, _orphan, _reply, _seeding, _slots, _worker_info
 from ._slots import Slots
 from .errors import CollateError, DatasetPickleError, add_note
 
@@ -193,14 +194,21 @@ def pool_initializer(
     counter: Any,
     max_slots: int,
     consumer_pid: int = 0,
+    lanes: tuple[tuple[str, str], ...] | None = None,
+    origin: Any = None,
 ) -> None:
     """Initializer of an owned process pool: one call per worker process.
 
     Never raises: an initializer that raises kills its worker, which the pool could only
     restart for ever, while the user saw "lost to a dying worker". A payload that cannot
     be loaded fails the tasks of its loader; anything else fails every task of this
-    worker, each time with the worker's own exception."""
+    worker, each time with the worker's own exception.
+
+    With ``lanes`` (one FIFO pair per worker, :mod:`aioloader._lanes`), the worker then
+    serves the lane of its slot until the consumer stops it, and only then takes the
+    executor's own tasks (its shutdown)."""
     global _startup_error
+    slot = -1
     # Ctrl-C reaches the whole process group; only the consumer should react to it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
@@ -229,6 +237,10 @@ def pool_initializer(
         add_note(exc, f"aioloader: raised while worker pid {os.getpid()} was starting")
         _startup_error = exc
     _slots.mark(Slots.READY)
+    if lanes is not None and 0 <= slot < len(lanes):
+        # Should its lane fail, the worker goes on to the executor's task, which breaks the lanes.
+        with contextlib.suppress(BaseException):
+            _lanes.serve(*lanes[slot], origin)
 
 
 _SEEDED_BATCH_LOCK = threading.RLock()
@@ -415,5 +427,7 @@ def _build(ctx: WorkerContext, task: BatchTask) -> tuple[Any, tuple[tuple[int, s
 
 
 def noop() -> int:
-    """Submitted once per worker to start the pool's processes in parallel."""
+    """An executor task that does nothing. Without lanes, one per worker starts the
+    executor's manager thread; with lanes, one stands watch: no serving worker runs it,
+    so it ends only with the lanes or when the executor breaks."""
     return os.getpid()

@@ -185,3 +185,60 @@ def test_the_first_batch_imports_nothing_in_a_worker_or_in_the_consumer(tmp_path
     out = json.loads(proc.stdout.splitlines()[-1])
     assert out["worker"] == []  # seeding, reading and collating a shuffled batch
     assert out["consumer"] == []  # the plan (its shuffle keys), the pool, the engine
+
+
+# The resource tracker that the forked forkserver forks (instead of a new interpreter):
+# it must be the consumer's tracker in every respect that matters, above all cleaning up
+# what a consumer that died left registered. The consumer here registers a shared-memory
+# segment it never unlinks, then exits at once (no atexit, no finalizers).
+TRACKER = '''
+import json, os, sys
+from multiprocessing import resource_tracker, shared_memory
+import aioloader
+from aioloader import _forkserver
+
+def comm(pid):
+    with open(f"/proc/{pid}/comm") as f:
+        return f.read().strip()
+
+if __name__ == "__main__":
+    loader = aioloader.DataLoader(list(range(16)), 4, num_workers=2)
+    batches = [b.tolist() for b in loader]
+    server = _forkserver.server_pid()
+    with open(f"/proc/{server}/task/{server}/children") as f:
+        kids = [int(k) for k in f.read().split()]
+    trackers = [k for k in kids if comm(k) == "aioloader-trk"]
+    with open(f"/proc/{trackers[0]}/cmdline", "rb") as f:
+        cmdline = f.read().replace(b"\\0", b" ").decode()
+    leak = shared_memory.SharedMemory(name=sys.argv[1], create=True, size=4096)
+    loader.close()
+    print(json.dumps({"batches": batches, "trackers": trackers, "cmdline": cmdline,
+                      "fd": resource_tracker._resource_tracker._fd is not None}), flush=True)
+    os._exit(0)
+'''
+
+
+def test_the_forked_forkserver_forks_the_resource_tracker_which_cleans_up_after_a_dead_consumer(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "tracker.py"
+    script.write_text(TRACKER)
+    name = f"aioloader_test_tracker_{os.getpid()}"
+    env = {k: v for k, v in os.environ.items() if k != "AIOLOADER_FORKSERVER"}
+    # The tracker inherits the consumer's stderr: the run ends once the tracker has exited.
+    proc = subprocess.run(
+        [sys.executable, str(script), name], capture_output=True, text=True, timeout=150, env=env, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert out["batches"] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    assert len(out["trackers"]) == 1 and out["fd"]
+    assert "resource_tracker" not in out["cmdline"]  # a fork of the consumer, not a new interpreter
+    # It saw the segment registered, and unlinked it once every holder of its pipe was gone.
+    assert not os.path.exists(f"/dev/shm/{name}")
+    assert "leaked shared_memory" in proc.stderr
+    wait_until(
+        lambda: not os.path.exists(f"/proc/{out['trackers'][0]}") or _is_zombie(out["trackers"][0]),
+        30.0,
+        "the forked resource tracker to exit",
+    )

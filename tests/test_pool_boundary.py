@@ -392,7 +392,8 @@ def test_a_multiprocessing_child_holding_a_loader_exits() -> None:
 # -------------------------------------------------------------------- house rules
 def test_only_the_generation_module_reads_executor_internals() -> None:
     """Executor internals are read in ``_generation.py`` alone (the lanes use the
-    executor's public ``submit`` only); the forkserver's in ``_forkserver.py`` alone."""
+    executor's public ``submit`` only); the forkserver's and the resource tracker's in
+    ``_forkserver.py`` alone."""
     executor = (
         "_processes",
         "_executor_manager_thread",
@@ -407,7 +408,13 @@ def test_only_the_generation_module_reads_executor_internals() -> None:
         "_shutdown_lock",
         "_CallItem",
     )
-    server = ("forkserver._forkserver", "_forkserver_pid", "_forkserver_address", "_forkserver_alive_fd")
+    server = (
+        "forkserver._forkserver",
+        "_forkserver_pid",
+        "_forkserver_address",
+        "_forkserver_alive_fd",
+        "_resource_tracker",
+    )
     pkg = Path(aioloader.__file__).resolve().parent
     for path in pkg.rglob("*.py"):
         text = path.read_text()

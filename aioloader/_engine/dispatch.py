@@ -68,6 +68,7 @@ class Dispatcher:
     _running: dict[int, Job] = field(default_factory=dict)
     _timed_out: dict[int, str] = field(default_factory=dict)  # task id -> what the pool did about it
     _watchdog: asyncio.Task[None] | None = None
+    _starting: asyncio.Future[Any] | None = None  # the one pool.start every waiting task shares
 
     def stop(self) -> list[asyncio.Task[None]]:
         """Mark the dispatcher as stopping; returns the watchdog task to cancel and await."""
@@ -75,6 +76,16 @@ class Dispatcher:
         w = self._watchdog
         self._watchdog = None
         return [w] if w is not None and not w.done() else []
+
+    async def _start(self, loop: asyncio.AbstractEventLoop) -> Any:
+        """``pool.start()`` in a thread, once for all the tasks that find the pool not
+        started: they resume in the order they asked, so the first unit of the run is
+        the first one submitted (and goes to the first worker up)."""
+        fut = self._starting
+        if fut is None or fut.done():
+            fut = self._starting = loop.run_in_executor(None, self.pool.start)
+            fut.add_done_callback(_retrieved)  # every waiter may have been cancelled
+        return await asyncio.shield(fut)
 
     async def run(
         self,
@@ -105,7 +116,7 @@ class Dispatcher:
             gen = pool.started_generation()
             if gen is None:
                 try:
-                    gen = await loop.run_in_executor(None, pool.start)
+                    gen = await self._start(loop)
                 except RuntimeError as exc:  # the loop's default executor is shut down
                     if self.is_closed() or pool.closed:
                         raise LoaderClosedError("the loader was closed while this batch was pending") from exc
@@ -207,6 +218,11 @@ def _short(indices: Any, limit: int = 16) -> str:
     if len(ids) <= limit:
         return str(ids)
     return f"{ids[:limit]}... ({len(ids)} samples)"
+
+
+def _retrieved(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()
 
 
 def cancelling() -> bool:
