@@ -365,6 +365,8 @@ class IterableLoader(LoaderBase):
     def _iterate(self, portal: Portal) -> Iterator[Any]:
         # A generator: the pass begins at the first next(), so an iterator created and
         # dropped unused costs nothing.
+        if self._state is Lifecycle.NEW:  # here, where the thread would only wait: no hop to a thread
+            self._prepare_and_start()
         p = portal.call(self._begin())
         # The feed's end is a value, never StopAsyncIteration raised here: its traceback
         # would keep this iteration's frames (and the loader) alive after the epoch.

@@ -184,7 +184,8 @@ class Generation:
         self.launcher.start()
 
     def _launch(self, lanes: _lanes.Lanes) -> None:
-        """The launcher thread: fork the workers, then submit one task that no worker
+        """The launcher thread: start the lanes' thread, fork the workers, then submit
+        one task that no worker
         runs while it serves its lane. Submitting it starts the executor's manager
         thread, which watches the workers; when one dies, the executor fails that task,
         and the lanes fail theirs (:meth:`~aioloader._lanes.Lanes.watch`). A failure to
@@ -192,6 +193,7 @@ class Generation:
         worker dying as it started would: they come back lost and the pool rebuilds the
         generation."""
         try:
+            lanes.start()
             self.launch()
             lanes.watch(self._submit(_worker.noop))
         except BaseException as exc:

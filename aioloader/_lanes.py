@@ -132,7 +132,12 @@ class Lanes:
         self._sel.register(self._wake_r, selectors.EVENT_READ, None)
         for lane in self._lanes:
             self._sel.register(lane.reply_fd, selectors.EVENT_READ, lane)
+        # Started by :meth:`start`, off the path to the first task: a thread start can wait
+        # out the interpreter's switch interval (5 ms) for the GIL.
         self._thread = threading.Thread(target=self._serve, name="aioloader-lanes", daemon=True)
+
+    def start(self) -> None:
+        """Start the lanes' thread (before any reply can come: the workers' start)."""
         self._thread.start()
 
     @classmethod
@@ -353,7 +358,7 @@ class Lanes:
         self.stop()
         self._finished = True
         self._wake()
-        if self._thread is not threading.current_thread():
+        if self._thread.ident is not None and self._thread is not threading.current_thread():
             self._thread.join(5.0)
         self.fail("the pool was shut down")
         with self._lock:

@@ -133,6 +133,57 @@ def test_a_task_that_cannot_be_unpickled_in_the_worker_fails_alone(pool: aioload
     assert gen.submit(pow, 4, 2).result(timeout=30) == 16  # the worker still serves its lane
 
 
+def test_tasks_sent_before_the_workers_exist_wait_in_their_lanes(pool: aioloader.WorkerPool) -> None:
+    """``start()`` returns once the lanes exist; the workers are forked by a thread of
+    their own. Here that thread is held before it forks anything: tasks sent meanwhile
+    wait in the pipes (two to a lane), and run once the workers come up."""
+    gen = pool.current()
+    go = threading.Event()
+    launch = gen.launch
+
+    def held_launch() -> None:
+        assert go.wait(30)
+        launch()
+
+    gen.launch = held_launch
+    assert pool.start() is gen and not go.is_set() and gen.processes == {}
+    futures = [gen.submit(pow, k, 2) for k in range(6)]
+    assert gen.lanes.loads() == [_lanes.DEPTH, _lanes.DEPTH] and gen.lanes.held == 2
+    assert not any(f.done() for f in futures)
+    go.set()
+    assert [f.result(timeout=30) for f in futures] == [k * k for k in range(6)]
+    assert len(pool.worker_pids()) == 2  # waits for the launch, which is over
+
+
+@pytest.mark.parametrize("face", ["for", "async-for"])
+def test_workers_that_cannot_be_forked_fail_the_sent_tasks_and_the_pool_starts_again(face: str) -> None:
+    """A failed launch (the forkserver gone, no more processes) fails the tasks already
+    in the lanes, as a death at start-up would: they come back lost, the generation is
+    replaced, and the loader's batches are the reference ones."""
+    with aioloader.WorkerPool(2) as wp:
+        first = wp.current()
+
+        def no_processes() -> None:
+            raise OSError(11, "Resource temporarily unavailable")
+
+        first.launch = no_processes
+        loader = aioloader.DataLoader(RangeDataset(32), 4, shuffle=True, seed=5, pool=wp)
+        if face == "for":
+            got = [_plain(b) for b in loader]
+        else:
+
+            async def collect() -> list[Any]:
+                return [_plain(b) async for b in loader]
+
+            got = asyncio.run(collect())
+        ref = aioloader.DataLoader(RangeDataset(32), 4, shuffle=True, seed=5, num_workers=0)
+        assert got == [_plain(b) for b in ref] and len(got) == 8
+        assert isinstance(first.failure, OSError) and first.crash is not None
+        assert wp.current() is not first and loader.stats().restarts == 1
+        loader.close()
+        ref.close()
+
+
 @pytest.mark.parametrize("why", ["turned off", "no room for the FIFOs"])
 def test_without_lanes_tasks_take_the_executors_way(
     why: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
