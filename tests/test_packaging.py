@@ -245,3 +245,26 @@ def test_ab_benchmark_measures_both_checkouts(tmp_path: Path) -> None:
     for line in lines:
         rate = float(line.split()[1])
         assert rate > 0 and "main" in line and "workers" in line, line
+
+
+@pytest.mark.torch
+def test_ab_benchmark_times_the_cold_start_against_torch(tmp_path: Path) -> None:
+    """bench_ab.py's cold workload: the same tree and torch's DataLoader, each in a fresh
+    process that imported a dataset module importing torch; per-run times and a median
+    per side."""
+    bench = ROOT / "examples" / "benchmarks" / "bench_ab.py"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run(
+        [sys.executable, str(bench), str(ROOT), str(ROOT), "torch", "--workload", "cold", "--pairs", "1"],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        cwd=tmp_path,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    runs = [line for line in proc.stdout.splitlines() if "cold start" in line]
+    assert sorted(line[0] for line in runs) == ["A", "B", "C"], proc.stdout
+    assert all(float(line.split()[3]) > 0 for line in runs), runs
+    medians = [line for line in proc.stdout.splitlines() if ": median" in line]
+    assert [m.split()[0] for m in medians] == ["A", "B", "C"] and "(torch)" in medians[2], proc.stdout

@@ -2,13 +2,21 @@
 
 Runs the suite's tiny workload (ints, batch 256) or dispatch ceiling (ints, batch 1)
 through ``for`` (or ``async for``) in fresh processes, alternating the two checkouts
-(A B A B ...), so that both sides see the same phases of a noisy machine. Each run
+(A B, B A, ...), so that both sides see the same phases of a noisy machine. Each run
 reports epochs 2..N: batches/s, the main process's CPU a batch (all its threads) and
 the workers' CPU a batch::
 
     git worktree add /tmp/before <commit>
     python examples/benchmarks/bench_ab.py /tmp/before . --workload tiny --pairs 4
     python examples/benchmarks/bench_ab.py /tmp/before . --workload dispatch --pairs 4
+
+``--workload cold`` measures the suite's cold start instead: a fresh process that has
+imported a dataset module importing torch, from the loader's construction to its first
+batch (4,096 ints, batch 64, 2 workers). There ``torch`` may stand for a checkout: that
+side runs torch's ``DataLoader`` (``num_workers=2``). With ``--pairs`` of 10 or more the
+medians settle to about a millisecond here::
+
+    python examples/benchmarks/bench_ab.py /tmp/before . torch --workload cold --pairs 12
 
 ``--one`` measures the aioloader that ``import aioloader`` finds (what each run does).
 """
@@ -18,14 +26,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import subprocess
+import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-WORKLOADS = {"tiny": (200_000, 256), "dispatch": (20_000, 1)}
+sys.path.insert(0, str(HERE))
+import _bench_proc  # noqa: E402  (beside this script)
+
+WORKLOADS = {"tiny": (200_000, 256), "dispatch": (20_000, 1), "cold": (4_096, 64)}
 
 
 def _cpu_s(pid: int) -> float:
@@ -34,8 +45,35 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def cold(use_torch: bool) -> str:
+    """Construction to the first batch, in this fresh process (the suite's cold row)."""
+    import gc
+
+    import _bench_torch_dataset  # imports torch: before the clock, as the suite does
+
+    if use_torch:
+        import torch.utils.data as tud
+    else:
+        import aioloader
+    gc.collect()  # torch's import leaves a full collection due: not inside the clock
+    n, bs = WORKLOADS["cold"]
+    dataset = _bench_torch_dataset.TorchModuleInts(n)
+    loader: Any
+    t0 = time.perf_counter()
+    if use_torch:
+        loader = tud.DataLoader(dataset, batch_size=bs, shuffle=True, num_workers=2)
+    else:
+        loader = aioloader.DataLoader(dataset, bs, shuffle=True, seed=0, num_workers=2)
+    it = iter(loader)
+    next(it)
+    ms = (time.perf_counter() - t0) * 1e3
+    del it
+    if not use_torch:
+        loader.close()
+    return f"cold start {ms:6.1f} ms"
+
+
 def one(workload: str, face: str, epochs: int, samples: int | None = None) -> str:
-    sys.path.insert(0, str(HERE))
     import _bench_datasets as bd
 
     import aioloader
@@ -63,30 +101,47 @@ def one(workload: str, face: str, epochs: int, samples: int | None = None) -> st
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("checkouts", nargs="*", help="two source trees (A and B), each with aioloader/ in it")
+    ap.add_argument(
+        "checkouts", nargs="*", help="two source trees (A and B), each with aioloader/ in it; with cold, a third may be torch"
+    )
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="tiny")
     ap.add_argument("--face", choices=("for", "async-for"), default="for")
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--samples", type=int, default=None, help="instead of the workload's own count")
     ap.add_argument("--one", action="store_true", help="one run of the importable aioloader")
+    ap.add_argument("--torch", action="store_true", help="with --one and cold: torch's DataLoader")
     args = ap.parse_args()
     if args.one:
-        print(one(args.workload, args.face, args.epochs, args.samples), flush=True)
+        line = cold(args.torch) if args.workload == "cold" else one(args.workload, args.face, args.epochs, args.samples)
+        print(line, flush=True)
         return
-    if len(args.checkouts) != 2:
-        ap.error("give two checkouts (or --one)")
+    sides = list(args.checkouts)
+    if len(sides) != 2 and not (args.workload == "cold" and len(sides) == 3 and sides[2] == "torch"):
+        ap.error("give two checkouts (with --workload cold, a third may be torch), or --one")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     cmd = [sys.executable, str(Path(__file__).resolve()), "--one", "--workload", args.workload]
     cmd += ["--face", args.face, "--epochs", str(args.epochs)]
     if args.samples:
         cmd += ["--samples", str(args.samples)]
-    for _ in range(args.pairs):
-        for label, tree in zip("AB", args.checkouts, strict=True):
-            run_env = dict(env, PYTHONPATH=str(Path(tree).resolve()))
-            out = subprocess.run(cmd, env=run_env, capture_output=True, text=True, timeout=300, check=True)
-            line = [x for x in out.stdout.splitlines() if "batches/s" in x][-1]
+    colds: dict[str, list[float]] = {}
+    labelled = list(zip("ABC", sides, strict=False))
+    for k in range(args.pairs):
+        # The order rotates: a run is slowed by what the run before it left exiting, so
+        # each side follows each other side equally often.
+        for label, tree in labelled[k % len(labelled) :] + labelled[: k % len(labelled)]:
+            if tree == "torch":
+                run_env, run = dict(env), [*cmd, "--torch"]
+            else:
+                run_env, run = dict(env, PYTHONPATH=str(Path(tree).resolve())), cmd
+            out = _bench_proc.run(run, env=run_env, timeout=300)
+            out.check_returncode()
+            line = [x for x in out.stdout.splitlines() if "batches/s" in x or "cold start" in x][-1]
             print(f"{label} {line}", flush=True)
+            if args.workload == "cold":
+                colds.setdefault(f"{label} ({tree})", []).append(float(line.split()[2]))
+    for side, values in colds.items():
+        print(f"{side}: median {statistics.median(values):.1f} ms, range {min(values):.1f}-{max(values):.1f}")
 
 
 if __name__ == "__main__":

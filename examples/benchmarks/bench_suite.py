@@ -63,7 +63,6 @@ import os
 import platform
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -72,6 +71,8 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
+
+import _bench_proc  # noqa: E402  (beside this script)
 
 TORCH_LOADERS = ("torch-persistent", "torch")
 # The other loaders users weigh: the best of these and torch's is "the best peer".
@@ -339,7 +340,7 @@ def require_torch() -> None:
 def run_child(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)]
     env = {**os.environ, **LOADER_ENV.get(spec["loader"], {})}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    proc = _bench_proc.run(cmd, timeout=timeout, env=env)  # returns once its helpers are gone too
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("RESULT "):
             result: dict[str, Any] = json.loads(line[len("RESULT ") :])
