@@ -168,14 +168,7 @@ def test_workers_that_cannot_be_forked_fail_the_sent_tasks_and_the_pool_starts_a
 
         first.launch = no_processes
         loader = aioloader.DataLoader(RangeDataset(32), 4, shuffle=True, seed=5, pool=wp)
-        if face == "for":
-            got = [_plain(b) for b in loader]
-        else:
-
-            async def collect() -> list[Any]:
-                return [_plain(b) async for b in loader]
-
-            got = asyncio.run(collect())
+        got = _drain(loader, face)
         ref = aioloader.DataLoader(RangeDataset(32), 4, shuffle=True, seed=5, num_workers=0)
         assert got == [_plain(b) for b in ref] and len(got) == 8
         assert isinstance(first.failure, OSError) and first.crash is not None
@@ -205,20 +198,24 @@ def _plain(batch: Any) -> Any:
     return [np.asarray(part).tolist() for part in batch]
 
 
+def _drain(loader: aioloader.DataLoader, face: str) -> list[Any]:
+    """One epoch of ``loader`` through ``for`` or ``async for``, as plain lists."""
+    if face == "for":
+        return [_plain(b) for b in loader]
+
+    async def collect() -> list[Any]:
+        return [_plain(b) async for b in loader]
+
+    return asyncio.run(collect())
+
+
 @pytest.mark.parametrize("face", ["for", "async-for"])
 def test_a_loader_gets_its_batches_through_the_lanes(face: str) -> None:
     """End to end: the batches of a loader on an owned pool are the reference ones, and
     its tasks went through the lanes."""
     with aioloader.WorkerPool(2) as wp:
         loader = aioloader.DataLoader(RangeDataset(64), 4, shuffle=True, seed=3, pool=wp, batches_per_task=1)
-        if face == "for":
-            got = [_plain(b) for b in loader]
-        else:
-
-            async def collect() -> list[Any]:
-                return [_plain(b) async for b in loader]
-
-            got = asyncio.run(collect())
+        got = _drain(loader, face)
         ref = aioloader.DataLoader(RangeDataset(64), 4, shuffle=True, seed=3, num_workers=0)
         assert got == [_plain(b) for b in ref] and len(got) == 16
         assert wp.start().lanes.sent + wp.start().lanes.held >= 16

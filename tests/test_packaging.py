@@ -225,21 +225,21 @@ def test_benchmark_suite_epoch_boundary_figure_does_not_depend_on_the_workers_ph
     assert rows["aioloader-auto"]["first_batch_epoch2plus_ms"] == pytest.approx(1.5 * gap_ms)
 
 
+def _bench_ab(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    bench = ROOT / "examples" / "benchmarks" / "bench_ab.py"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run(
+        [sys.executable, str(bench), *args], capture_output=True, text=True, timeout=150, cwd=cwd, env=env
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
 def test_ab_benchmark_measures_both_checkouts(tmp_path: Path) -> None:
     """bench_ab.py runs each checkout in its own process and reports its figures: the
     same tree twice here, on a few hundred batches."""
-    bench = ROOT / "examples" / "benchmarks" / "bench_ab.py"
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     args = ["--workload", "dispatch", "--samples", "300", "--epochs", "2", "--pairs", "1"]
-    proc = subprocess.run(
-        [sys.executable, str(bench), str(ROOT), str(ROOT), *args],
-        capture_output=True,
-        text=True,
-        timeout=100,
-        cwd=tmp_path,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = _bench_ab(tmp_path, str(ROOT), str(ROOT), *args)
     lines = [line for line in proc.stdout.splitlines() if "batches/s" in line]
     assert [line[0] for line in lines] == ["A", "B"], proc.stdout
     for line in lines:
@@ -252,17 +252,7 @@ def test_ab_benchmark_times_the_cold_start_against_torch(tmp_path: Path) -> None
     """bench_ab.py's cold workload: the same tree and torch's DataLoader, each in a fresh
     process that imported a dataset module importing torch; per-run times and a median
     per side."""
-    bench = ROOT / "examples" / "benchmarks" / "bench_ab.py"
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.run(
-        [sys.executable, str(bench), str(ROOT), str(ROOT), "torch", "--workload", "cold", "--pairs", "1"],
-        capture_output=True,
-        text=True,
-        timeout=150,
-        cwd=tmp_path,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = _bench_ab(tmp_path, str(ROOT), str(ROOT), "torch", "--workload", "cold", "--pairs", "1")
     runs = [line for line in proc.stdout.splitlines() if "cold start" in line]
     assert sorted(line[0] for line in runs) == ["A", "B", "C"], proc.stdout
     assert all(float(line.split()[3]) > 0 for line in runs), runs

@@ -42,11 +42,17 @@ def _members(sid: int) -> list[int]:
     except OSError:
         return out
     for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z" and int(fields[3]) == sid:
+        fields = stat_fields(f"/proc/{pid}/stat")
+        if fields and fields[0] != "Z" and int(fields[3]) == sid:
             out.append(pid)
     return out
+
+
+def stat_fields(path: str) -> list[str] | None:
+    """The fields of a ``/proc/.../stat`` file after the command name (field 3 first:
+    the state), or ``None`` when it is gone."""
+    try:
+        with open(path) as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None

@@ -135,12 +135,9 @@ def _thread_cpu() -> dict[int, float]:
     except OSError:
         return out
     for tid in tids:
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        out[int(tid)] = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+        fields = _bench_proc.stat_fields(f"/proc/self/task/{tid}/stat")
+        if fields is not None:
+            out[int(tid)] = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
     return out
 
 
