@@ -78,13 +78,8 @@ def enabled() -> bool:
     return os.environ.get(ENV, "1").strip() != "0" and hasattr(os, "mkfifo")
 
 
-def _frame(data: Any) -> bytearray:
-    """The length and the pickle in one buffer: one copy of ``data`` (a task can carry
-    megabytes of fetched bytes; ``head + bytes(data)`` made two)."""
-    out = bytearray(_HEAD.size + len(data))
-    _HEAD.pack_into(out, 0, len(data))
-    out[_HEAD.size :] = data
-    return out
+def _frame(data: Any) -> bytes:
+    return _HEAD.pack(len(data)) + bytes(data)
 
 
 class _Lane:
@@ -111,7 +106,7 @@ class Lanes:
 
     def __init__(self, n: int) -> None:
         self._lock = threading.Lock()
-        self._pending: collections.deque[tuple[cf.Future[Any], bytearray]] = collections.deque()
+        self._pending: collections.deque[tuple[cf.Future[Any], bytes]] = collections.deque()
         self._broken: str | None = None
         self._closed = False  # stopped: no new task
         self._finished = False  # joined: the lanes' thread reads what is left and ends
@@ -206,15 +201,17 @@ class Lanes:
         with self._lock:
             return [len(lane.sent) for lane in self._lanes]
 
-    def _send(self, lane: _Lane, fut: cf.Future[Any], frame: bytearray) -> None:
+    def _send(self, lane: _Lane, fut: cf.Future[Any], frame: bytes) -> None:
         """Send one task on ``lane`` (the lock held)."""
         if not fut.set_running_or_notify_cancel():
             return
         lane.sent.append((fut, time.monotonic_ns()))
         n = 0
         if not lane.out:
-            with contextlib.suppress(BlockingIOError):
+            try:
                 n = os.write(lane.task_fd, frame)
+            except BlockingIOError:
+                pass
             if n == len(frame):
                 return
         lane.out += memoryview(frame)[n:]  # what the pipe did not take, copied once
