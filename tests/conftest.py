@@ -22,8 +22,10 @@ SHM_PREFIX = "aioloader_"
 # missing torch is a broken environment, not a reason to skip.
 TORCH_REQUIRED_ON = (3, 11)
 # A forkserver that aioloader forked from its consumer has the consumer's command line
-# and is told apart by its process name (``aioloader._forkserver.PROCESS_NAME``).
-HELPER_MARKERS = ("forkserver", "resource_tracker", "semaphore_tracker", "aioloader-fsrv")
+# and is told apart by its process name (``aioloader._forkserver.PROCESS_NAME``); so is
+# the resource tracker that server forks (``TRACKER_NAME``).
+TRACKER_MARKERS = ("resource_tracker", "semaphore_tracker", "aioloader-trk")
+HELPER_MARKERS = ("forkserver", "aioloader-fsrv", *TRACKER_MARKERS)
 
 
 def _children(pid: int) -> list[int]:
@@ -89,6 +91,12 @@ def _label(pid: int) -> str:
     except OSError:
         comm = ""
     return f"{_cmdline(pid)} [{comm}]"
+
+
+def is_tracker(pid: int) -> bool:
+    """Is ``pid`` a resource tracker, spawned (its command line) or forked (its name)?"""
+    label = _label(pid)
+    return any(m in label for m in TRACKER_MARKERS)
 
 
 def _is_zombie(pid: int) -> bool:

@@ -25,7 +25,7 @@ from aioloader._transport import make_transport
 
 from . import _shm_datasets as D
 from ._shm_datasets import assert_same, shm_backed
-from .conftest import _cmdline, descendant_workers, descendants, wait_until
+from .conftest import descendant_workers, descendants, is_tracker, wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -301,7 +301,7 @@ def test_worker_killed_mid_write(tmp_path: Path, collect: Callable[..., list[Any
 def _stop_orphans(pids: set[int]) -> None:
     """Stop what a killed consumer left running. Its resource tracker is left to exit on
     its own once the others are gone: it then unlinks the dead run's semaphores."""
-    tracker = {p for p in pids if "resource_tracker" in _cmdline(p)}
+    tracker = {p for p in pids if is_tracker(p)}
     for p in pids - tracker:
         with contextlib.suppress(ProcessLookupError):
             os.kill(p, signal.SIGKILL)
@@ -343,7 +343,7 @@ def test_consumer_killed(tmp_path: Path) -> None:
         # Every other orphan (the other worker, the forkserver) exits on its own too. Wait
         # for that before the last check: the other worker may still create a slab after
         # the check above, and it unlinks it before it exits, unless it is killed first.
-        others = {p for p in helpers if "resource_tracker" not in _cmdline(p)}
+        others = {p for p in helpers if not is_tracker(p)}
         wait_until(lambda: not any(_alive(p) for p in others), 20.0, "every orphan to exit")
     finally:
         if proc.poll() is None:
