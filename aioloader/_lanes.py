@@ -49,6 +49,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures as cf
 import contextlib
+import io
 import os
 import pickle
 import secrets
@@ -78,8 +79,19 @@ def enabled() -> bool:
     return os.environ.get(ENV, "1").strip() != "0" and hasattr(os, "mkfifo")
 
 
-def _frame(data: Any) -> bytes:
-    return _HEAD.pack(len(data)) + bytes(data)
+_NO_HEAD = bytes(_HEAD.size)
+
+
+def _frame(obj: Any) -> memoryview:
+    """``obj`` pickled behind its length, in one buffer, copied nowhere: a batch of
+    fetched payloads (megabytes) costs one pickle, not a pickle and two copies that the
+    allocator then keeps (measured 0.26 against 8-9 ms for 64 payloads of 60 KB)."""
+    buf = io.BytesIO()
+    buf.write(_NO_HEAD)
+    ForkingPickler(buf).dump(obj)
+    view = buf.getbuffer()
+    _HEAD.pack_into(view, 0, len(view) - _HEAD.size)
+    return view
 
 
 class _Lane:
@@ -93,7 +105,7 @@ class _Lane:
         self.reply_fd = os.open(paths[1], flags)
         self.sent: collections.deque[tuple[cf.Future[Any], int]] = collections.deque()  # and when
         self.last_ns = 0  # when the lane last answered
-        self.out = bytearray()  # what the pipe could not take yet
+        self.out: collections.deque[memoryview] = collections.deque()  # what the pipe could not take yet
         self.inbuf = bytearray()
         self.watched = False  # the lanes' thread waits for the task pipe to take more
 
@@ -106,7 +118,11 @@ class Lanes:
 
     def __init__(self, n: int) -> None:
         self._lock = threading.Lock()
-        self._pending: collections.deque[tuple[cf.Future[Any], bytes]] = collections.deque()
+        # tasks that wait for a lane, not pickled yet: a pickle made at submission would
+        # sit here beside the values it copies (a batch's fetched payloads)
+        self._pending: collections.deque[tuple[cf.Future[Any], Callable[..., Any], tuple[Any, ...]]] = (
+            collections.deque()
+        )
         self._broken: str | None = None
         self._closed = False  # stopped: no new task
         self._finished = False  # joined: the lanes' thread reads what is left and ends
@@ -166,11 +182,7 @@ class Lanes:
         """``executor.submit(fn, *args)`` through the lanes (raises what the executor's
         would: ``BrokenProcessPool`` once a worker died, ``RuntimeError`` once closed)."""
         fut: cf.Future[Any] = cf.Future()
-        try:
-            frame = _frame(ForkingPickler.dumps((fn, args)))
-        except Exception as exc:  # the task cannot be pickled: it fails alone
-            fut.set_exception(exc)
-            return fut
+        error = None
         with self._lock:
             if self._broken is not None:
                 raise BrokenProcessPool(self._broken)
@@ -178,11 +190,13 @@ class Lanes:
                 raise RuntimeError("cannot schedule new futures after shutdown")
             lane = self._least_busy()
             if self._pending or len(lane.sent) >= self.depth:
-                self._pending.append((fut, frame))
+                self._pending.append((fut, fn, args))
                 self.held += 1
             else:
-                self._send(lane, fut, frame)
+                error = self._send(lane, fut, fn, args)
                 self.sent += 1
+        if error is not None:
+            fut.set_exception(error)
         return fut
 
     def _least_busy(self) -> _Lane:
@@ -201,10 +215,18 @@ class Lanes:
         with self._lock:
             return [len(lane.sent) for lane in self._lanes]
 
-    def _send(self, lane: _Lane, fut: cf.Future[Any], frame: bytes) -> None:
-        """Send one task on ``lane`` (the lock held)."""
+    def _send(
+        self, lane: _Lane, fut: cf.Future[Any], fn: Callable[..., Any], args: tuple[Any, ...]
+    ) -> Exception | None:
+        """Pickle one task and send it on ``lane`` (the lock held). A task that cannot be
+        pickled is not sent: its error comes back, for the caller to set on ``fut`` once
+        the lock is released (a done callback may submit again)."""
         if not fut.set_running_or_notify_cancel():
-            return
+            return None
+        try:
+            frame = _frame((fn, args))
+        except Exception as exc:  # this task alone fails
+            return exc
         lane.sent.append((fut, time.monotonic_ns()))
         n = 0
         if not lane.out:
@@ -213,10 +235,11 @@ class Lanes:
             except BlockingIOError:
                 pass
             if n == len(frame):
-                return
-        lane.out += memoryview(frame)[n:]  # what the pipe did not take, copied once
+                return None
+        lane.out.append(frame[n:])  # what the pipe did not take, kept as it is
         if not lane.watched:
             self._wake()  # the lanes' thread writes the rest when the worker has read
+        return None
 
     def _observe(self, ns: int) -> None:
         """A task kept its worker about ``ns`` (from when it was sent, or when the task
@@ -264,9 +287,15 @@ class Lanes:
 
     def _flush(self, lane: _Lane) -> None:
         with self._lock:
+            out = lane.out
             with contextlib.suppress(BlockingIOError):
-                del lane.out[: os.write(lane.task_fd, lane.out)]
-            if not lane.out:
+                while out:
+                    n = os.write(lane.task_fd, out[0])
+                    if n < len(out[0]):
+                        out[0] = out[0][n:]
+                        break
+                    out.popleft()
+            if not out:
                 self._sel.unregister(lane.task_fd)
                 lane.watched = False
 
@@ -291,6 +320,7 @@ class Lanes:
         if not replies:
             return
         futs: list[cf.Future[Any] | None] = []
+        unsent: list[tuple[cf.Future[Any], Exception]] = []
         now = time.monotonic_ns()
         with self._lock:
             for _ in replies:
@@ -302,7 +332,12 @@ class Lanes:
                     futs.append(None)
                 lane.last_ns = now
                 while self._pending and len(lane.sent) < self.depth:  # keep the worker busy first
-                    self._send(lane, *self._pending.popleft())
+                    task, fn, args = self._pending.popleft()
+                    error = self._send(lane, task, fn, args)
+                    if error is not None:
+                        unsent.append((task, error))
+        for task, error in unsent:
+            task.set_exception(error)
         for fut, data in zip(futs, replies, strict=True):
             try:  # even with nobody waiting: arrival frees what the reply holds
                 value = pickle.loads(data)
@@ -331,7 +366,7 @@ class Lanes:
         with self._lock:
             if self._broken is None:
                 self._broken = why
-            futs = [f for lane in self._lanes for f, _ in lane.sent] + [f for f, _ in self._pending]
+            futs = [f for lane in self._lanes for f, _ in lane.sent] + [p[0] for p in self._pending]
             for lane in self._lanes:
                 lane.sent.clear()
             self._pending.clear()
@@ -407,8 +442,7 @@ def serve(task_path: str, reply_path: str, origin: _reply.Origin) -> None:
                 fn, args = pickle.loads(body)
             except BaseException as exc:  # a task that cannot be unpickled here fails alone
                 fn, args = _reply.Entry(_raise, origin), (exc,)
-            data = _frame(ForkingPickler.dumps(fn(*args)))
-            view = memoryview(data)
+            view = _frame(fn(*args))
             while view:
                 view = view[os.write(wfd, view) :]
     finally:

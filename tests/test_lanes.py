@@ -126,6 +126,41 @@ def test_a_task_that_cannot_be_pickled_fails_alone(pool: aioloader.WorkerPool) -
     assert gen.submit(pow, 3, 2).result(timeout=30) == 9  # the pool is unharmed
 
 
+def test_a_waiting_task_is_pickled_when_its_lane_takes_it_and_fails_alone_there(
+    pool: aioloader.WorkerPool, tmp_path: Path
+) -> None:
+    """A task that waits in the consumer is pickled only when a lane takes it (a pickle
+    made earlier would sit beside the values it copies), from the lanes' thread: one
+    that cannot be pickled then fails alone, and the tasks around it run."""
+    gen = _gen(pool)
+    held = _Held(gen, tmp_path)
+    first = [gen.submit(pow, k, 2) for k in range(2)]  # one more task in each lane's pipe
+    bad = gen.submit(pow, threading.Lock(), 2)
+    after = [gen.submit(pow, k, 3) for k in range(3)]
+    assert gen.lanes.held == 4 and not bad.done()
+    held.release()
+    with pytest.raises(TypeError, match="pickle"):
+        bad.result(timeout=30)
+    assert [f.result(timeout=30) for f in first + after] == [0, 1, 0, 1, 8]
+
+
+def test_large_tasks_queued_behind_each_other_on_one_lane_arrive_whole_and_in_order(
+    pool: aioloader.WorkerPool, tmp_path: Path
+) -> None:
+    """With its worker held, a lane allowed to hold three tasks keeps two large frames
+    that its pipe cannot take, one behind the other; the lanes' thread writes both,
+    in order, as the worker reads."""
+    gen = _gen(pool)
+    held = _Held(gen, tmp_path)
+    with gen.lanes._lock:
+        gen.lanes.depth = 3  # until the next reply sets it from the measured average again
+    sizes = [(1 << 20) + k for k in range(4)]
+    futures = [gen.submit(H.length_of, b"y" * n) for n in sizes]
+    assert gen.lanes.loads() == [3, 3] and gen.lanes.held == 0
+    held.release()
+    assert [f.result(timeout=30) for f in futures] == sizes
+
+
 def test_a_task_that_cannot_be_unpickled_in_the_worker_fails_alone(pool: aioloader.WorkerPool) -> None:
     gen = _gen(pool)
     out = gen.submit(H.length_of, H.BreaksOnUnpickle()).result(timeout=30)
