@@ -73,6 +73,17 @@ LONG_NS = 3_000_000  # tasks this long (on average) go one to a lane at a time (
 _ALPHA = 0.25  # weight of the newest task in the average
 _HEAD = struct.Struct("<Q")
 _READ = 1 << 18
+# A task pipe's capacity: a batch of fetched payloads (megabytes) then goes out in a few
+# writes rather than one wake of the lanes' thread per 64 KiB (Linux's default). The
+# kernel allocates the pages only as they fill; 1 MiB is the default most an unprivileged
+# process may ask (/proc/sys/fs/pipe-max-size).
+_PIPE_SIZE = 1 << 20
+try:
+    import fcntl
+
+    _SETPIPE_SZ: int | None = getattr(fcntl, "F_SETPIPE_SZ", None)
+except ImportError:  # not POSIX: no lanes either (no mkfifo)
+    _SETPIPE_SZ = None
 
 
 def enabled() -> bool:
@@ -103,6 +114,9 @@ class _Lane:
         self.task_fd = self.reply_fd = -1
         self.task_fd = os.open(paths[0], flags)
         self.reply_fd = os.open(paths[1], flags)
+        if _SETPIPE_SZ is not None:  # Linux; elsewhere the default
+            with contextlib.suppress(OSError):  # above the system's limit: keep the default
+                fcntl.fcntl(self.task_fd, _SETPIPE_SZ, _PIPE_SIZE)
         self.sent: collections.deque[tuple[cf.Future[Any], int]] = collections.deque()  # and when
         self.last_ns = 0  # when the lane last answered
         self.out: collections.deque[memoryview] = collections.deque()  # what the pipe could not take yet
@@ -442,7 +456,9 @@ def serve(task_path: str, reply_path: str, origin: _reply.Origin) -> None:
                 fn, args = pickle.loads(body)
             except BaseException as exc:  # a task that cannot be unpickled here fails alone
                 fn, args = _reply.Entry(_raise, origin), (exc,)
+            del body  # a batch's fetched payloads, pickled: not kept while the task runs,
             view = _frame(fn(*args))
+            del fn, args  # nor the payloads themselves while the next task is awaited
             while view:
                 view = view[os.write(wfd, view) :]
     finally:
@@ -450,21 +466,21 @@ def serve(task_path: str, reply_path: str, origin: _reply.Origin) -> None:
         os.close(wfd)
 
 
-def _read_exact(fd: int, n: int) -> bytes | None:
-    """``n`` bytes from ``fd``, or ``None`` at its end."""
-    first = os.read(fd, n)
-    if not first:
-        return None
-    if len(first) == n:
-        return first
-    parts, got = [first], len(first)
+def _read_exact(fd: int, n: int) -> bytes | bytearray | None:
+    """``n`` bytes from ``fd``, or ``None`` at its end. A large task is read into one
+    buffer of its size rather than joined from the pipe's pieces."""
+    first = os.read(fd, min(n, _READ))
+    if len(first) == n or not first:
+        return first or None
+    buf = bytearray(n)
+    buf[: len(first)] = first
+    view, got = memoryview(buf), len(first)
     while got < n:
-        chunk = os.read(fd, min(n - got, _READ))
-        if not chunk:
+        k = os.readv(fd, [view[got:]])
+        if not k:
             return None
-        parts.append(chunk)
-        got += len(chunk)
-    return b"".join(parts)
+        got += k
+    return buf
 
 
 def _raise(exc: BaseException) -> None:

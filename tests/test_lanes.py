@@ -107,15 +107,15 @@ def test_once_tasks_are_long_a_lane_holds_one_at_a_time(pool: aioloader.WorkerPo
 def test_a_task_too_large_for_the_pipe_never_blocks_the_submitting_thread(
     pool: aioloader.WorkerPool, tmp_path: Path
 ) -> None:
-    """With both workers held nobody reads the pipes: a 1 MiB task written from this
+    """With both workers held nobody reads the pipes: a 3 MiB task written from this
     thread would block it for good. What the pipe cannot take, the lanes' thread
     writes once the worker reads."""
     gen = _gen(pool)
     held = _Held(gen, tmp_path)
-    big = gen.submit(H.length_of, b"x" * (1 << 20))  # returns: the test would hang here otherwise
+    big = gen.submit(H.length_of, b"x" * (3 << 20))  # returns: the test would hang here otherwise
     small = gen.submit(pow, 7, 2)
     held.release()
-    assert (big.result(timeout=30), small.result(timeout=30)) == (1 << 20, 49)
+    assert (big.result(timeout=30), small.result(timeout=30)) == (3 << 20, 49)
 
 
 def test_a_task_that_cannot_be_pickled_fails_alone(pool: aioloader.WorkerPool) -> None:
@@ -154,7 +154,7 @@ def test_large_tasks_queued_behind_each_other_on_one_lane_arrive_whole_and_in_or
     held = _Held(gen, tmp_path)
     with gen.lanes._lock:
         gen.lanes.depth = 3  # until the next reply sets it from the measured average again
-    sizes = [(1 << 20) + k for k in range(4)]
+    sizes = [(3 << 20) + k for k in range(4)]  # beyond a pipe's capacity (1 MiB at most)
     futures = [gen.submit(H.length_of, b"y" * n) for n in sizes]
     assert gen.lanes.loads() == [3, 3] and gen.lanes.held == 0
     held.release()
