@@ -40,7 +40,8 @@ pipes are named FIFOs (``mkfifo``) that the consumer opens first, read-write, so
 neither side's ``open`` waits for the other and the consumer never sees them end; each
 worker removes the names once it has opened them.
 
-This module never imports asyncio (:func:`serve` runs in workers).
+The wire format and the worker's side (:func:`aioloader._lane_wire.serve`) are in
+:mod:`aioloader._lane_wire`.
 ``AIOLOADER_LANES=0`` turns lanes off (every task goes through the executor's ``submit``).
 """
 
@@ -49,30 +50,25 @@ from __future__ import annotations
 import collections
 import concurrent.futures as cf
 import contextlib
-import io
 import os
 import pickle
 import secrets
 import selectors
-import struct
 import tempfile
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool
-from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-from . import _reply
+from ._lane_wire import HEAD, READ, frame
 
-__all__ = ["DEPTH", "ENV", "LONG_NS", "Lanes", "enabled", "serve"]
+__all__ = ["DEPTH", "ENV", "LONG_NS", "Lanes", "enabled"]
 
 ENV = "AIOLOADER_LANES"
 DEPTH = 2  # unanswered tasks a lane holds at most: one running, one waiting in its pipe
 LONG_NS = 3_000_000  # tasks this long (on average) go one to a lane at a time (grouped batches aim at 2 ms)
 _ALPHA = 0.25  # weight of the newest task in the average
-_HEAD = struct.Struct("<Q")
-_READ = 1 << 18
 # A task pipe's capacity: a batch of fetched payloads (megabytes) then goes out in a few
 # writes rather than one wake of the lanes' thread per 64 KiB (Linux's default). The
 # kernel allocates the pages only as they fill; 1 MiB is the default most an unprivileged
@@ -88,21 +84,6 @@ except ImportError:  # not POSIX: no lanes either (no mkfifo)
 
 def enabled() -> bool:
     return os.environ.get(ENV, "1").strip() != "0" and hasattr(os, "mkfifo")
-
-
-_NO_HEAD = bytes(_HEAD.size)
-
-
-def _frame(obj: Any) -> memoryview:
-    """``obj`` pickled behind its length, in one buffer, copied nowhere: a batch of
-    fetched payloads (megabytes) costs one pickle, not a pickle and two copies that the
-    allocator then keeps (measured 0.26 against 8-9 ms for 64 payloads of 60 KB)."""
-    buf = io.BytesIO()
-    buf.write(_NO_HEAD)
-    ForkingPickler(buf).dump(obj)
-    view = buf.getbuffer()
-    _HEAD.pack_into(view, 0, len(view) - _HEAD.size)
-    return view
 
 
 class _Lane:
@@ -238,19 +219,19 @@ class Lanes:
         if not fut.set_running_or_notify_cancel():
             return None
         try:
-            frame = _frame((fn, args))
+            data = frame((fn, args))
         except Exception as exc:  # this task alone fails
             return exc
         lane.sent.append((fut, time.monotonic_ns()))
         n = 0
         if not lane.out:
             try:
-                n = os.write(lane.task_fd, frame)
+                n = os.write(lane.task_fd, data)
             except BlockingIOError:
                 pass
-            if n == len(frame):
+            if n == len(data):
                 return None
-        lane.out.append(frame[n:])  # what the pipe did not take, kept as it is
+        lane.out.append(data[n:])  # what the pipe did not take, kept as it is
         if not lane.watched:
             self._wake()  # the lanes' thread writes the rest when the worker has read
         return None
@@ -316,19 +297,19 @@ class Lanes:
     def _read(self, lane: _Lane) -> None:
         while True:
             try:
-                chunk = os.read(lane.reply_fd, _READ)
+                chunk = os.read(lane.reply_fd, READ)
             except BlockingIOError:
                 break
             lane.inbuf += chunk
-            if len(chunk) < _READ:
+            if len(chunk) < READ:
                 break
         buf, pos, replies = lane.inbuf, 0, []
-        while len(buf) - pos >= _HEAD.size:
-            (size,) = _HEAD.unpack_from(buf, pos)
-            end = pos + _HEAD.size + size
+        while len(buf) - pos >= HEAD.size:
+            (size,) = HEAD.unpack_from(buf, pos)
+            end = pos + HEAD.size + size
             if len(buf) < end:
                 break
-            replies.append(bytes(buf[pos + _HEAD.size : end]))
+            replies.append(bytes(buf[pos + HEAD.size : end]))
             pos = end
         del buf[:pos]
         if not replies:
@@ -398,7 +379,7 @@ class Lanes:
             for lane in self._lanes:
                 if not lane.out:  # not after half a message
                     with contextlib.suppress(OSError):
-                        os.write(lane.task_fd, _HEAD.pack(0))
+                        os.write(lane.task_fd, HEAD.pack(0))
 
     def join(self) -> None:
         """Once the workers are gone: read what they wrote last (unpickling a reply
@@ -428,60 +409,3 @@ class Lanes:
             for p in lane.paths:
                 with contextlib.suppress(OSError):
                     os.unlink(p)
-
-
-# ------------------------------------------------------------------- worker side
-def serve(task_path: str, reply_path: str, origin: _reply.Origin) -> None:
-    """A worker's work for the life of its generation (called at the end of the pool
-    initializer): run every task its lane sends, in order, and write each reply back,
-    until asked to stop or the consumer is gone."""
-    rfd = os.open(task_path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        wfd = os.open(reply_path, os.O_WRONLY | os.O_CLOEXEC)
-    except BaseException:
-        os.close(rfd)
-        raise
-    for p in (task_path, reply_path):
-        with contextlib.suppress(OSError):
-            os.unlink(p)
-    try:
-        while True:
-            head = _read_exact(rfd, _HEAD.size)
-            if head is None or not _HEAD.unpack(head)[0]:
-                return
-            body = _read_exact(rfd, _HEAD.unpack(head)[0])
-            if body is None:
-                return
-            try:
-                fn, args = pickle.loads(body)
-            except BaseException as exc:  # a task that cannot be unpickled here fails alone
-                fn, args = _reply.Entry(_raise, origin), (exc,)
-            del body  # a batch's fetched payloads, pickled: not kept while the task runs,
-            view = _frame(fn(*args))
-            del fn, args  # nor the payloads themselves while the next task is awaited
-            while view:
-                view = view[os.write(wfd, view) :]
-    finally:
-        os.close(rfd)
-        os.close(wfd)
-
-
-def _read_exact(fd: int, n: int) -> bytes | bytearray | None:
-    """``n`` bytes from ``fd``, or ``None`` at its end. A large task is read into one
-    buffer of its size rather than joined from the pipe's pieces."""
-    first = os.read(fd, min(n, _READ))
-    if len(first) == n or not first:
-        return first or None
-    buf = bytearray(n)
-    buf[: len(first)] = first
-    view, got = memoryview(buf), len(first)
-    while got < n:
-        k = os.readv(fd, [view[got:]])
-        if not k:
-            return None
-        got += k
-    return buf
-
-
-def _raise(exc: BaseException) -> None:
-    raise exc

@@ -36,7 +36,7 @@ from typing import Any, Literal, NamedTuple, TypeVar
 
 import numpy as np
 
-from . import _byvalue, _lanes, _orphan, _reply, _seeding, _slots, _worker_info
+from . import _byvalue, _lane_wire, _orphan, _reply, _seeding, _slots, _worker_info
 from ._slots import Slots
 from .errors import CollateError, DatasetPickleError, add_note
 
@@ -240,7 +240,7 @@ def pool_initializer(
     if lanes is not None and 0 <= slot < len(lanes):
         # Should its lane fail, the worker goes on to the executor's task, which breaks the lanes.
         with contextlib.suppress(BaseException):
-            _lanes.serve(*lanes[slot], origin)
+            _lane_wire.serve(*lanes[slot], origin)
 
 
 _SEEDED_BATCH_LOCK = threading.RLock()

@@ -18,7 +18,7 @@ WORKER_SIDE = [
     "_worker.py",
     "_slots.py",
     "_reply.py",
-    "_lanes.py",
+    "_lane_wire.py",
     "_spill.py",
     "_forkserver_preload.py",
     "_orphan.py",
