@@ -2,7 +2,9 @@
 
 ``python _bench_http.py ROOT [--kind raw|aiohttp]`` reads every file under ``ROOT`` into
 memory, listens on 127.0.0.1 (a port the OS picks) and prints that port as its first line
-of stdout once the socket listens (the benchmark reads it: synchronisation by pipe).
+of stdout once the socket listens (the benchmark reads it: synchronisation by pipe). It
+serves until terminated or until its stdin ends (the benchmark's end of that pipe closes
+when the benchmark exits, however it exits).
 ``GET /REL/PATH?latency_ms=N`` answers the bytes of ``ROOT/REL/PATH`` after N ms; an
 unknown path is a 404. Connections are HTTP/1.1 keep-alive.
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import sys
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -97,12 +100,29 @@ class RawHttp(asyncio.Protocol):
             self.transport.writelines(reply)
 
 
+def _parent_gone() -> asyncio.Future[None]:
+    """Done when stdin ends: the benchmark holds the other end of that pipe, so a server
+    whose benchmark was killed stops instead of serving on as an orphan."""
+    loop = asyncio.get_running_loop()
+    gone: asyncio.Future[None] = loop.create_future()
+    fd = sys.stdin.fileno()
+
+    def readable() -> None:
+        if not os.read(fd, 4096):
+            loop.remove_reader(fd)
+            if not gone.done():
+                gone.set_result(None)
+
+    loop.add_reader(fd, readable)
+    return gone
+
+
 async def _serve_raw(files: dict[str, bytes]) -> None:
     loop = asyncio.get_running_loop()
     server = await loop.create_server(lambda: RawHttp(files), "127.0.0.1", 0, backlog=1024)
     print(server.sockets[0].getsockname()[1], flush=True)
     async with server:
-        await server.serve_forever()
+        await _parent_gone()
 
 
 async def _serve_aiohttp(files: dict[str, bytes]) -> None:
@@ -126,7 +146,7 @@ async def _serve_aiohttp(files: dict[str, bytes]) -> None:
     server: Any = site._server
     print(server.sockets[0].getsockname()[1], flush=True)
     try:
-        await asyncio.Event().wait()  # until terminated
+        await _parent_gone()  # or until terminated
     finally:
         await runner.cleanup()
 

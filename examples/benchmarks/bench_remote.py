@@ -251,7 +251,8 @@ class Server:
 
     def __init__(self, root: Path, kind: str) -> None:
         cmd = [sys.executable, str(HERE / "_bench_http.py"), str(root), "--kind", kind]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        # stdin: a pipe that only this process holds; when it exits, the server does too
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if not line.strip():
@@ -262,8 +263,9 @@ class Server:
     def stop(self) -> None:
         self.proc.terminate()
         self.proc.wait(timeout=30)
-        assert self.proc.stdout is not None
-        self.proc.stdout.close()
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            if pipe is not None:
+                pipe.close()
 
 
 class S3Store:
