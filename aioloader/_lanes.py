@@ -86,6 +86,41 @@ def enabled() -> bool:
     return os.environ.get(ENV, "1").strip() != "0" and hasattr(os, "mkfifo")
 
 
+_PREFIX = "aioloader-lane-"  # then the consumer's pid, a token, the worker's number, .task or .reply
+_swept = False  # this process has swept the temporary directory once
+
+
+def sweep(folder: str) -> int:
+    """Remove the lane FIFOs in ``folder`` of consumers that are gone (killed before their
+    workers opened, and so removed, them); those of a live pid, or another user's, stay.
+    Returns how many were removed."""
+    removed = 0
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return 0
+    for name in names:
+        if not name.startswith(_PREFIX):
+            continue
+        pid = name[len(_PREFIX) :].partition("-")[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(folder, name))
+            removed += 1
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: another user's process, alive
+        pass
+    return True
+
+
 class _Lane:
     __slots__ = ("inbuf", "last_ns", "out", "paths", "reply_fd", "sent", "task_fd", "watched")
 
@@ -128,7 +163,7 @@ class Lanes:
         self.sent = 0  # tasks sent on a lane as they were submitted
         self.held = 0  # tasks that waited here for a lane to reply first
         self.servers: list[cf.Future[Any]] = []  # executor tasks that end only when the lanes do
-        stem = os.path.join(tempfile.gettempdir(), f"aioloader-lane-{os.getpid()}-{secrets.token_hex(4)}")
+        stem = os.path.join(tempfile.gettempdir(), f"{_PREFIX}{os.getpid()}-{secrets.token_hex(4)}")
         try:
             for k in range(n):
                 paths = (f"{stem}-{k}.task", f"{stem}-{k}.reply")
@@ -157,6 +192,10 @@ class Lanes:
         be made (a read-only temporary directory): tasks then go through the executor."""
         if not enabled():
             return None
+        global _swept
+        if not _swept:
+            _swept = True
+            sweep(tempfile.gettempdir())
         try:
             return cls(n)
         except OSError:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -273,3 +275,21 @@ def test_replies_written_after_stop_are_still_read(pool: aioloader.WorkerPool, t
     wait_until(lambda: all(f.done() for f in gen.lanes.servers), 30, "the workers to stop serving")
     gen.lanes.join()
     assert marker.exists() and last.result(timeout=0) is None
+
+
+def test_fifos_of_a_consumer_that_is_gone_are_swept_and_a_live_ones_are_kept(tmp_path: Path) -> None:
+    """A consumer killed before its workers opened their FIFOs leaves the names behind;
+    the next process that opens lanes removes those of consumers that no longer exist."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait(timeout=30)  # reaped: its pid names no process now (reuse aside, which keeps it)
+    dead = [tmp_path / f"aioloader-lane-{child.pid}-0a0b0c0d-{k}.task" for k in range(2)]
+    live = tmp_path / f"aioloader-lane-{os.getpid()}-0a0b0c0d-0.reply"
+    other = tmp_path / "aioloader-lanes-notes.txt"
+    for p in [*dead, live]:
+        os.mkfifo(p)
+    other.write_text("not a lane")
+    removed = _lanes.sweep(str(tmp_path))
+    alive_again = _lanes._alive(child.pid)  # the pid was reused meanwhile: kept, as it should be
+    assert removed == (0 if alive_again else 2)
+    assert all(p.exists() == alive_again for p in dead)
+    assert live.exists() and other.exists()
