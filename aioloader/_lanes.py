@@ -228,7 +228,7 @@ class Lanes:
                 self.held += 1
             else:
                 error = self._send(lane, fut, fn, args)
-                self.sent += 1
+                self.sent += error is None
         if error is not None:
             fut.set_exception(error)
         return fut
