@@ -1,6 +1,7 @@
 """The lanes' wire (see :mod:`aioloader._lanes`) and a worker's side of its lane.
 
-A message is an 8-byte little-endian length and a pickle (``ForkingPickler``, as the
+A lane's FIFOs are named ``PREFIX`` + the consumer's pid + a token + the worker's number;
+:func:`sweep` removes those a killed consumer left. A message is an 8-byte little-endian length and a pickle (``ForkingPickler``, as the
 executor's); a length of zero asks the worker to stop. A worker runs the tasks of its
 lane in the order they come and writes each reply back in the same form.
 
@@ -13,16 +14,20 @@ import contextlib
 import io
 import os
 import pickle
+import stat
 import struct
+import time
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from . import _reply
 
-__all__ = ["HEAD", "READ", "frame", "read_exact", "serve"]
+__all__ = ["HEAD", "PREFIX", "READ", "frame", "read_exact", "serve", "sweep"]
 
 HEAD = struct.Struct("<Q")
 READ = 1 << 18  # most bytes one read takes from a pipe
+PREFIX = "aioloader-lane-"  # then the consumer's pid, a token, the worker's number, .task or .reply
+_STALE_S = 600  # a FIFO younger than this is never swept (a pid of another namespace may look dead)
 
 _NO_HEAD = bytes(HEAD.size)
 
@@ -93,3 +98,35 @@ def read_exact(fd: int, n: int) -> bytes | bytearray | None:
 
 def _raise(exc: BaseException) -> None:
     raise exc
+
+
+def sweep(folder: str) -> int:
+    """Remove the lane FIFOs in ``folder`` of consumers that are gone (killed before their
+    workers opened, and so removed, them): this user's FIFOs, named for a pid that does not
+    exist, older than ten minutes. Returns how many were removed."""
+    removed, now = 0, time.time()
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return 0
+    for name in names:
+        pid = name[len(PREFIX) :].partition("-")[0]
+        if not name.startswith(PREFIX) or not pid.isdigit() or _alive(int(pid)):
+            continue
+        path = os.path.join(folder, name)
+        with contextlib.suppress(OSError):
+            st = os.lstat(path)
+            if stat.S_ISFIFO(st.st_mode) and st.st_uid == os.getuid() and now - st.st_mtime > _STALE_S:
+                os.unlink(path)
+                removed += 1
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except PermissionError:  # another user's process
+        return True
+    except (OSError, OverflowError):  # no such process, or no pid at all
+        return False
+    return True

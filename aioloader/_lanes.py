@@ -57,11 +57,12 @@ import selectors
 import tempfile
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
-from ._lane_wire import HEAD, READ, frame
+from ._lane_wire import HEAD, PREFIX, READ, frame, sweep
 
 __all__ = ["DEPTH", "ENV", "LONG_NS", "Lanes", "enabled"]
 
@@ -69,11 +70,12 @@ ENV = "AIOLOADER_LANES"
 DEPTH = 2  # unanswered tasks a lane holds at most: one running, one waiting in its pipe
 LONG_NS = 3_000_000  # tasks this long (on average) go one to a lane at a time (grouped batches aim at 2 ms)
 _ALPHA = 0.25  # weight of the newest task in the average
-# A task pipe's capacity: a batch of fetched payloads (megabytes) then goes out in a few
-# writes rather than one wake of the lanes' thread per 64 KiB (Linux's default). The
-# kernel allocates the pages only as they fill; 1 MiB is the default most an unprivileged
-# process may ask (/proc/sys/fs/pipe-max-size).
-_PIPE_SIZE = 1 << 20
+_swept = False  # this process has swept the temporary directory once
+# A task pipe's capacity once a task larger than Linux's default 64 KiB goes through it
+# (a batch of fetched payloads, megabytes): it then goes out in a few writes rather than
+# one wake of the lanes' thread per 64 KiB. Only then: the kernel charges the whole size
+# to the user's pipe quota (pipe-user-pages-soft, 64 MiB) when it is set.
+_PIPE_SIZE = 1 << 18
 try:
     import fcntl
 
@@ -86,43 +88,8 @@ def enabled() -> bool:
     return os.environ.get(ENV, "1").strip() != "0" and hasattr(os, "mkfifo")
 
 
-_PREFIX = "aioloader-lane-"  # then the consumer's pid, a token, the worker's number, .task or .reply
-_swept = False  # this process has swept the temporary directory once
-
-
-def sweep(folder: str) -> int:
-    """Remove the lane FIFOs in ``folder`` of consumers that are gone (killed before their
-    workers opened, and so removed, them); those of a live pid, or another user's, stay.
-    Returns how many were removed."""
-    removed = 0
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return 0
-    for name in names:
-        if not name.startswith(_PREFIX):
-            continue
-        pid = name[len(_PREFIX) :].partition("-")[0]
-        if not pid.isdigit() or _alive(int(pid)):
-            continue
-        with contextlib.suppress(OSError):
-            os.unlink(os.path.join(folder, name))
-            removed += 1
-    return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # EPERM: another user's process, alive
-        pass
-    return True
-
-
 class _Lane:
-    __slots__ = ("inbuf", "last_ns", "out", "paths", "reply_fd", "sent", "task_fd", "watched")
+    __slots__ = ("big", "inbuf", "last_ns", "out", "paths", "reply_fd", "sent", "task_fd", "watched")
 
     def __init__(self, paths: tuple[str, str]) -> None:
         self.paths = paths
@@ -130,9 +97,7 @@ class _Lane:
         self.task_fd = self.reply_fd = -1
         self.task_fd = os.open(paths[0], flags)
         self.reply_fd = os.open(paths[1], flags)
-        if _SETPIPE_SZ is not None:  # Linux; elsewhere the default
-            with contextlib.suppress(OSError):  # above the system's limit: keep the default
-                fcntl.fcntl(self.task_fd, _SETPIPE_SZ, _PIPE_SIZE)
+        self.big = _SETPIPE_SZ is None  # the task pipe was enlarged (or cannot be)
         self.sent: collections.deque[tuple[cf.Future[Any], int]] = collections.deque()  # and when
         self.last_ns = 0  # when the lane last answered
         self.out: collections.deque[memoryview] = collections.deque()  # what the pipe could not take yet
@@ -163,7 +128,7 @@ class Lanes:
         self.sent = 0  # tasks sent on a lane as they were submitted
         self.held = 0  # tasks that waited here for a lane to reply first
         self.servers: list[cf.Future[Any]] = []  # executor tasks that end only when the lanes do
-        stem = os.path.join(tempfile.gettempdir(), f"{_PREFIX}{os.getpid()}-{secrets.token_hex(4)}")
+        stem = os.path.join(tempfile.gettempdir(), f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}")
         try:
             for k in range(n):
                 paths = (f"{stem}-{k}.task", f"{stem}-{k}.reply")
@@ -195,7 +160,8 @@ class Lanes:
         global _swept
         if not _swept:
             _swept = True
-            sweep(tempfile.gettempdir())
+            with contextlib.suppress(Exception):  # housekeeping: never in the way of a pool
+                sweep(tempfile.gettempdir())
         try:
             return cls(n)
         except OSError:
@@ -251,7 +217,7 @@ class Lanes:
 
     def _send(
         self, lane: _Lane, fut: cf.Future[Any], fn: Callable[..., Any], args: tuple[Any, ...]
-    ) -> Exception | None:
+    ) -> BaseException | None:
         """Pickle one task and send it on ``lane`` (the lock held). A task that cannot be
         pickled is not sent: its error comes back, for the caller to set on ``fut`` once
         the lock is released (a done callback may submit again)."""
@@ -259,8 +225,13 @@ class Lanes:
             return None
         try:
             data = frame((fn, args))
-        except Exception as exc:  # this task alone fails
+        except BaseException as exc:  # this task alone fails (its future must not stay running)
+            traceback.clear_frames(exc.__traceback__)  # the half-made pickle and the payloads
             return exc
+        if not lane.big and len(data) > 1 << 16 and _SETPIPE_SZ is not None:
+            lane.big = True
+            with contextlib.suppress(OSError):  # the system's or the user's limit: keep the default
+                fcntl.fcntl(lane.task_fd, _SETPIPE_SZ, _PIPE_SIZE)
         lane.sent.append((fut, time.monotonic_ns()))
         n = 0
         if not lane.out:
@@ -354,7 +325,7 @@ class Lanes:
         if not replies:
             return
         futs: list[cf.Future[Any] | None] = []
-        unsent: list[tuple[cf.Future[Any], Exception]] = []
+        unsent: list[tuple[cf.Future[Any], BaseException]] = []
         now = time.monotonic_ns()
         with self._lock:
             for _ in replies:
@@ -365,7 +336,9 @@ class Lanes:
                 else:
                     futs.append(None)
                 lane.last_ns = now
-                while self._pending and len(lane.sent) < self.depth:  # keep the worker busy first
+                while (
+                    self._pending and len(lane.sent) < self.depth and not self._closed
+                ):  # keep it busy first
                     task, fn, args = self._pending.popleft()
                     error = self._send(lane, task, fn, args)
                     if error is not None:
@@ -416,9 +389,12 @@ class Lanes:
                 return
             self._closed = True
             for lane in self._lanes:
-                if not lane.out:  # not after half a message
-                    with contextlib.suppress(OSError):
-                        os.write(lane.task_fd, HEAD.pack(0))
+                if not lane.out:
+                    with contextlib.suppress(BlockingIOError):
+                        os.write(lane.task_fd, HEAD.pack(0))  # 8 bytes: all or nothing
+                        continue
+                lane.out.append(memoryview(HEAD.pack(0)))  # after what the pipe has not taken yet
+                self._wake()
 
     def join(self) -> None:
         """Once the workers are gone: read what they wrote last (unpickling a reply

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
@@ -19,7 +20,7 @@ import numpy as np
 import pytest
 
 import aioloader
-from aioloader import _lanes
+from aioloader import _lane_wire, _lanes
 
 from . import _pool_helpers as H
 from ._datasets import RangeDataset
@@ -128,22 +129,33 @@ def test_a_task_that_cannot_be_pickled_fails_alone(pool: aioloader.WorkerPool) -
     assert gen.submit(pow, 3, 2).result(timeout=30) == 9  # the pool is unharmed
 
 
+class _ExitsWhenPickled:
+    def __reduce__(self) -> Any:
+        raise SystemExit("not a task")
+
+
+@pytest.mark.parametrize(
+    ("bad_arg", "error"), [(threading.Lock(), TypeError), (_ExitsWhenPickled(), SystemExit)], ids=["type", "exit"]
+)
 def test_a_waiting_task_is_pickled_when_its_lane_takes_it_and_fails_alone_there(
-    pool: aioloader.WorkerPool, tmp_path: Path
+    pool: aioloader.WorkerPool, tmp_path: Path, bad_arg: Any, error: type[BaseException]
 ) -> None:
     """A task that waits in the consumer is pickled only when a lane takes it (a pickle
     made earlier would sit beside the values it copies), from the lanes' thread: one
-    that cannot be pickled then fails alone, and the tasks around it run."""
+    that cannot be pickled then fails alone, even with a BaseException (which would
+    otherwise end the lanes' thread with answered tasks still running), and the tasks
+    around it run."""
     gen = _gen(pool)
     held = _Held(gen, tmp_path)
     first = [gen.submit(pow, k, 2) for k in range(2)]  # one more task in each lane's pipe
-    bad = gen.submit(pow, threading.Lock(), 2)
+    bad = gen.submit(pow, bad_arg, 2)
     after = [gen.submit(pow, k, 3) for k in range(3)]
     assert gen.lanes.held == 4 and not bad.done()
     held.release()
-    with pytest.raises(TypeError, match="pickle"):
+    with pytest.raises(error):
         bad.result(timeout=30)
     assert [f.result(timeout=30) for f in first + after] == [0, 1, 0, 1, 8]
+    assert gen.submit(pow, 5, 2).result(timeout=30) == 25  # the lanes' thread still serves
 
 
 def test_large_tasks_queued_behind_each_other_on_one_lane_arrive_whole_and_in_order(
@@ -279,17 +291,23 @@ def test_replies_written_after_stop_are_still_read(pool: aioloader.WorkerPool, t
 
 def test_fifos_of_a_consumer_that_is_gone_are_swept_and_a_live_ones_are_kept(tmp_path: Path) -> None:
     """A consumer killed before its workers opened their FIFOs leaves the names behind;
-    the next process that opens lanes removes those of consumers that no longer exist."""
+    the next process that opens lanes removes this user's FIFOs, older than ten minutes,
+    named for a pid that no longer exists. Anything else stays."""
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait(timeout=30)  # reaped: its pid names no process now (reuse aside, which keeps it)
     dead = [tmp_path / f"aioloader-lane-{child.pid}-0a0b0c0d-{k}.task" for k in range(2)]
+    young = tmp_path / f"aioloader-lane-{child.pid}-0a0b0c0e-0.task"  # could be another namespace's
     live = tmp_path / f"aioloader-lane-{os.getpid()}-0a0b0c0d-0.reply"
-    other = tmp_path / "aioloader-lanes-notes.txt"
-    for p in [*dead, live]:
+    not_a_pid = tmp_path / "aioloader-lane-99999999999999999999-0a0b0c0d-0.task"  # no OverflowError
+    plain = tmp_path / f"aioloader-lane-{child.pid}-0a0b0c0f-0.task"  # not a FIFO
+    for p in [*dead, young, live, not_a_pid]:
         os.mkfifo(p)
-    other.write_text("not a lane")
-    removed = _lanes.sweep(str(tmp_path))
-    alive_again = _lanes._alive(child.pid)  # the pid was reused meanwhile: kept, as it should be
-    assert removed == (0 if alive_again else 2)
+    plain.write_text("not a lane")
+    old = time.time() - 3600
+    for p in [*dead, live, not_a_pid, plain]:
+        os.utime(p, (old, old))
+    removed = _lane_wire.sweep(str(tmp_path))
+    alive_again = _lane_wire._alive(child.pid)  # the pid was reused meanwhile: kept, as it should be
     assert all(p.exists() == alive_again for p in dead)
-    assert live.exists() and other.exists()
+    assert removed == (1 if alive_again else 3)  # the dead pid's two, and the pid no process can have
+    assert young.exists() and live.exists() and plain.exists() and not not_a_pid.exists()
