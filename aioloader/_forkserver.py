@@ -35,7 +35,18 @@ named ``aioloader-trk``) that runs multiprocessing's own tracker loop
 (``resource_tracker.main``) on a pipe the consumer made; the consumer records the write
 end as its tracker, as ``ensure_running`` would, and passes it to every worker as
 usual. The tracker ends, cleaning up what was leaked, once the consumer and every
-worker have closed that end.
+worker have closed that end. The server forks it once it has answered its first request
+(or as it ends, if it never gets one): before its loop, that fork (5-8 ms of the
+server's time with torch imported) delayed the first worker by as much. Until then
+what the consumer registers waits in the pipe.
+
+The first worker comes without a fork on its way too. As it starts, the server forks a
+spare worker (``aioloader-spare``) that waits for a request, and answers the first
+request with it: the spare receives that request's fds and runs as a worker forked for
+it would. Later requests, and the first if the spare has died, get a fork. An unused
+spare ends with the server (end of file on its socket). See :class:`_Hooks` for how
+multiprocessing's loop is made to do both. Together they took the cold start of the
+benchmark suite from 33-39 ms to 24-27 (torch: 29-34).
 
 Private names read, because the public API has no way to install a forkserver:
 
@@ -45,6 +56,9 @@ Private names read, because the public API has no way to install a forkserver:
 ``._forkserver_alive_fd``, ``._preload_modules``,  inherits from its parent's
 ``._lock``
 ``multiprocessing.forkserver._serve_one``          naming the workers (in the forked server only)
+``multiprocessing.forkserver``'s globals ``os``,   the spare worker and the late tracker:
+``reduction``, ``selectors``; ``.MAXFDS_TO_SEND``  the loop's fork, fd receipt and wait,
+                                                   hooked (in the forked server only)
 ``multiprocessing.resource_tracker``:              adopting the forked tracker (what
 ``._resource_tracker._fd``, ``._pid``,             ``ensure_running`` records), running
 ``._lock``, ``.main``                              its loop
@@ -55,16 +69,18 @@ This module never imports asyncio.
 
 from __future__ import annotations
 
+import array
 import contextlib
 import gc
 import os
+import selectors
 import signal
 import socket
 import sys
 import threading
 import types
 import warnings
-from multiprocessing import connection, forkserver
+from multiprocessing import connection, forkserver, reduction
 from multiprocessing import resource_tracker as mp_tracker
 from multiprocessing.context import BaseContext
 from typing import Any
@@ -77,8 +93,10 @@ ENV = "AIOLOADER_FORKSERVER"  # "spawn": never fork the forkserver
 PROCESS_NAME = b"aioloader-fsrv"  # its /proc/<pid>/comm (its command line is the consumer's)
 WORKER_NAME = b"aioloader-work"  # the name of each worker it forks
 TRACKER_NAME = b"aioloader-trk"  # the resource tracker it forks
+SPARE_NAME = b"aioloader-spare"  # the worker it forks before the first request (then aioloader-work)
 
 _lock = threading.Lock()
+_MAX_FD = 1 << 20  # closerange's end: past any fd a process here may hold
 _NATIVE_AT_IMPORT: int | None = None  # set below, once the module's imports are done
 
 
@@ -193,14 +211,18 @@ def _adopt_tracker(w: int) -> None:
         rt._fd, rt._pid = w, None
 
 
-def _track(r: int, close: tuple[int, ...]) -> None:  # pragma: no cover - in the forked tracker
+def _track(r: int) -> None:  # pragma: no cover - in the forked tracker
     """The resource tracker, forked from the forkserver: multiprocessing's own loop
     (``resource_tracker.main``) on the read end of the consumer's pipe, with none of a
-    new interpreter's start-up (about 30 ms of a core, taken from the first batch)."""
+    new interpreter's start-up (about 30 ms of a core, taken from the first batch).
+    It keeps no other fd of the server's: a pipe end kept open here would hide the end
+    of a worker or of the server from whoever waits on it."""
     code = 1
     try:
-        for fd in close:
-            os.close(fd)
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        os.closerange(3, r)
+        os.closerange(r + 1, _MAX_FD)
         _name_process(TRACKER_NAME)
         mp_tracker.main(r)
         code = 0
@@ -214,15 +236,6 @@ def _serve(listener_fd: int, alive_r: int, tracker: tuple[int, int] | None) -> N
     _lock = threading.Lock()
     forkserver._forkserver._lock = threading.Lock()  # type: ignore[attr-defined]
     _name_process(PROCESS_NAME)
-    if tracker is not None:
-        r, w = tracker
-        os.close(w)  # the consumer's end: the tracker stops once every copy of it is closed
-        if os.fork() == 0:
-            _track(r, (listener_fd, alive_r))
-        os.close(r)
-        # The tracker is our child: multiprocessing's loop reaps it, and would warn that
-        # it never forked that pid.
-        warnings.filterwarnings("ignore", message="forkserver: waitpid returned unexpected pid")
     for sig in signal.valid_signals():
         with contextlib.suppress(OSError, ValueError, TypeError):
             if callable(signal.getsignal(sig)):
@@ -234,6 +247,7 @@ def _serve(listener_fd: int, alive_r: int, tracker: tuple[int, int] | None) -> N
 
     def worker(*args: Any) -> Any:  # each forked worker takes a name of its own
         _name_process(WORKER_NAME)
+        _Hooks.remove()
         return serve_one(*args)
 
     forkserver._serve_one = worker  # type: ignore[attr-defined]
@@ -243,7 +257,143 @@ def _serve(listener_fd: int, alive_r: int, tracker: tuple[int, int] | None) -> N
         # value. Keep it so: a copy of the consumer's would shadow those definitions.
         sys.modules["__main__"] = types.ModuleType("__main__")
     gc.freeze()
-    forkserver.main(listener_fd, alive_r, [])
+    # The tracker and the spare worker are our children: multiprocessing's loop reaps
+    # them, and would warn that it never forked those pids.
+    warnings.filterwarnings("ignore", message="forkserver: waitpid returned unexpected pid")
+    hooks = _Hooks(worker, (listener_fd, alive_r, *(tracker or ())))
+    if tracker is not None:
+        os.close(tracker[1])  # the consumer's end: the tracker stops once every copy of it is closed
+        hooks.tracker_r = tracker[0]
+    hooks.install()
+    try:
+        forkserver.main(listener_fd, alive_r, [])
+    finally:
+        hooks.start_tracker()  # the server ends before it answered anyone: the tracker still cleans up
+
+
+class _Hooks:  # pragma: no cover - in the forked server
+    """What the forked server adds to multiprocessing's loop, for a faster first worker.
+
+    * **A spare worker**, forked before anyone asks for one: the first request is
+      answered with its pid, with no fork in between (a fork of a process that imported
+      torch takes 5-8 ms of the server's time, measured, on the way to the first batch).
+      The spare waits on a socket pair for what the request brings (the pipe its process
+      object comes on and the fds multiprocessing passes), then runs as a worker forked
+      for that request would. It ends, unused, when the server does (end of file on its
+      socket). Later requests, and the first when the spare is gone, get a fork.
+    * **The resource tracker forked late**: once the first request is answered (when
+      the loop next waits), or when the server ends before any, rather than before the
+      loop starts, where its fork delayed the first worker by as much. Until then what
+      the consumer registers waits in the tracker's pipe.
+
+    Both hook the names the loop looks up in ``multiprocessing.forkserver``: its ``os``
+    (``fork``), ``reduction`` (``recvfds``, to see the request's fds) and ``selectors``
+    (a selector whose ``select`` first runs what was put off), replaced in this process
+    only; each worker puts the real modules back."""
+
+    def __init__(self, worker: Any, close: tuple[int, ...]) -> None:
+        self.tracker_r: int | None = None
+        self.answered = False
+        self.received: list[int] = []
+        self.spare: tuple[int, socket.socket] | None = None
+        try:
+            ours, theirs = socket.socketpair()
+            pid = os.fork()
+        except OSError:
+            return
+        if pid == 0:
+            code = 1
+            try:
+                _name_process(SPARE_NAME)
+                ours.close()
+                for fd in close:
+                    os.close(fd)
+                fds = _await_request(theirs)
+                theirs.close()
+                code = 0 if fds is None else worker(fds[0], fds[1:], [], {})
+            except Exception:
+                sys.excepthook(*sys.exc_info())
+                sys.stderr.flush()
+            finally:
+                os._exit(code)
+        theirs.close()
+        self.spare = (pid, ours)
+
+    def install(self) -> None:
+        forkserver.os = _Override(os, fork=self.fork)  # type: ignore[attr-defined]
+        forkserver.reduction = _Override(reduction, recvfds=self.recvfds)  # type: ignore[attr-defined]
+        forkserver.selectors = _Override(selectors, DefaultSelector=lambda: _Selector(self.waiting))  # type: ignore[attr-defined]
+
+    @staticmethod
+    def remove() -> None:
+        forkserver.os, forkserver.reduction, forkserver.selectors = os, reduction, selectors  # type: ignore[attr-defined]
+
+    def recvfds(self, sock: socket.socket, size: int) -> list[int]:
+        fds: list[int] = reduction.recvfds(sock, size)
+        self.received = fds
+        return fds
+
+    def fork(self) -> int:
+        self.answered = True
+        spare, self.spare = self.spare, None
+        if spare is not None and self.received:
+            pid, sock = spare
+            child_r, _child_w, *fds = self.received
+            with sock:
+                try:
+                    sock.sendmsg([b"F"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [child_r, *fds]))])
+                    return pid
+                except OSError:  # it died unused: a fork, then
+                    pass
+        return os.fork()
+
+    def waiting(self) -> None:
+        if self.answered:
+            self.start_tracker()
+
+    def start_tracker(self) -> None:
+        r, self.tracker_r = self.tracker_r, None
+        if r is not None:
+            with contextlib.suppress(OSError):
+                if os.fork() == 0:
+                    _track(r)
+            os.close(r)
+
+
+class _Selector(selectors.DefaultSelector):  # pragma: no cover - in the forked server
+    """The loop's selector, which runs ``waiting`` each time before the loop waits."""
+
+    def __init__(self, waiting: Any) -> None:
+        super().__init__()
+        self._waiting = waiting
+
+    def select(self, timeout: float | None = None) -> Any:
+        self._waiting()
+        return super().select(timeout)
+
+
+class _Override(types.SimpleNamespace):  # pragma: no cover - in the forked server
+    """A module with some of its names replaced."""
+
+    def __init__(self, module: types.ModuleType, **names: Any) -> None:
+        super().__init__(**names)
+        self._module = module
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+
+def _await_request(sock: socket.socket) -> list[int] | None:  # pragma: no cover - in the spare
+    """The fds of the request the spare serves, or ``None`` once the server is gone."""
+    size = socket.CMSG_SPACE(forkserver.MAXFDS_TO_SEND * array.array("i").itemsize)
+    msg, ancdata, _flags, _addr = sock.recvmsg(1, size)
+    if not msg:
+        return None
+    fds = array.array("i")
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+    return list(fds)
 
 
 def _name_process(name: bytes) -> None:  # pragma: no cover - in the forked server

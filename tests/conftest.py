@@ -25,7 +25,9 @@ TORCH_REQUIRED_ON = (3, 11)
 # and is told apart by its process name (``aioloader._forkserver.PROCESS_NAME``); so is
 # the resource tracker that server forks (``TRACKER_NAME``).
 TRACKER_MARKERS = ("resource_tracker", "semaphore_tracker", "aioloader-trk")
-HELPER_MARKERS = ("forkserver", "aioloader-fsrv", *TRACKER_MARKERS)
+# aioloader-spare: the worker a forked forkserver keeps ready for its first request
+# (the server's until a pool takes it; then it is named aioloader-work).
+HELPER_MARKERS = ("forkserver", "aioloader-fsrv", "aioloader-spare", *TRACKER_MARKERS)
 
 
 def _children(pid: int) -> list[int]:

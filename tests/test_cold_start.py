@@ -203,6 +203,11 @@ def comm(pid):
 
 if __name__ == "__main__":
     loader = aioloader.DataLoader(list(range(16)), 4, num_workers=2)
+    if sys.argv[2] == "before-any-worker":
+        # The server forks its tracker once it has answered its first request; a consumer
+        # that dies before asking for a worker must be cleaned up after all the same.
+        leak = shared_memory.SharedMemory(name=sys.argv[1], create=True, size=4096)
+        os._exit(0)
     batches = [b.tolist() for b in loader]
     server = _forkserver.server_pid()
     with open(f"/proc/{server}/task/{server}/children") as f:
@@ -212,14 +217,16 @@ if __name__ == "__main__":
         cmdline = f.read().replace(b"\\0", b" ").decode()
     leak = shared_memory.SharedMemory(name=sys.argv[1], create=True, size=4096)
     loader.close()
-    print(json.dumps({"batches": batches, "trackers": trackers, "cmdline": cmdline,
+    tracker_fds = os.listdir(f"/proc/{trackers[0]}/fd")
+    print(json.dumps({"batches": batches, "trackers": trackers, "cmdline": cmdline, "tracker_fds": tracker_fds,
                       "fd": resource_tracker._resource_tracker._fd is not None}), flush=True)
     os._exit(0)
 '''
 
 
+@pytest.mark.parametrize("when", ["after-its-batches", "before-any-worker"])
 def test_the_forked_forkserver_forks_the_resource_tracker_which_cleans_up_after_a_dead_consumer(
-    tmp_path: Path,
+    tmp_path: Path, when: str
 ) -> None:
     script = tmp_path / "tracker.py"
     script.write_text(TRACKER)
@@ -227,13 +234,20 @@ def test_the_forked_forkserver_forks_the_resource_tracker_which_cleans_up_after_
     env = {k: v for k, v in os.environ.items() if k != "AIOLOADER_FORKSERVER"}
     # The tracker inherits the consumer's stderr: the run ends once the tracker has exited.
     proc = subprocess.run(
-        [sys.executable, str(script), name], capture_output=True, text=True, timeout=150, env=env, check=False
+        [sys.executable, str(script), name, when], capture_output=True, text=True, timeout=150, env=env, check=False
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
+    if when == "before-any-worker":
+        assert not os.path.exists(f"/dev/shm/{name}")
+        assert "leaked shared_memory" in proc.stderr
+        return
     out = json.loads(proc.stdout.splitlines()[-1])
     assert out["batches"] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
     assert len(out["trackers"]) == 1 and out["fd"]
     assert "resource_tracker" not in out["cmdline"]  # a fork of the consumer, not a new interpreter
+    # Its pipe and stdio only: forked from inside the server's loop, it holds none of the
+    # server's fds (a copy of a worker's status pipe would hide that worker's end).
+    assert len(out["tracker_fds"]) <= 4, out["tracker_fds"]
     # It saw the segment registered, and unlinked it once every holder of its pipe was gone.
     assert not os.path.exists(f"/dev/shm/{name}")
     assert "leaked shared_memory" in proc.stderr
@@ -242,3 +256,74 @@ def test_the_forked_forkserver_forks_the_resource_tracker_which_cleans_up_after_
         30.0,
         "the forked resource tracker to exit",
     )
+
+
+# The spare worker: the forked forkserver forks one worker before any request, and answers
+# the first request with it (no fork on the way to the first batch). The consumer finds it
+# by name among the server's children, before its first batch.
+SPARE = '''
+import json, os, signal, sys, time
+import aioloader
+from aioloader import _forkserver
+
+def comm(pid):
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+def children(pid):
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(k) for k in f.read().split()]
+
+if __name__ == "__main__":
+    loader = aioloader.DataLoader(list(range(16)), 4, num_workers=2)
+    server = _forkserver.server_pid()
+    deadline = time.monotonic() + 30  # the server forks it as it starts (a poll of /proc, not a sleep)
+    while not (spares := [k for k in children(server) if comm(k) == "aioloader-spare"]) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    out = {"server": server, "spares": spares}
+    if sys.argv[1] == "killed":
+        os.kill(spares[0], signal.SIGKILL)
+        deadline = time.monotonic() + 30  # until the server has reaped it (not a sleep: a poll of /proc)
+        while os.path.exists(f"/proc/{spares[0]}") and time.monotonic() < deadline:
+            time.sleep(0.005)
+    if sys.argv[1] != "unused":
+        out["batches"] = [b.tolist() for b in loader]
+        out["workers"] = loader.worker_pids()
+        out["worker_comms"] = sorted(comm(p) for p in out["workers"])
+        loader.close()
+    print(json.dumps(out), flush=True)
+'''
+
+
+def _run_spare(tmp_path: Path, mode: str) -> tuple[dict, str]:
+    script = tmp_path / "spare.py"
+    script.write_text(SPARE)
+    env = {k: v for k, v in os.environ.items() if k != "AIOLOADER_FORKSERVER"}
+    proc = subprocess.run(
+        [sys.executable, str(script), mode], capture_output=True, text=True, timeout=150, env=env, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.splitlines()[-1]), proc.stderr
+
+
+def _gone(pid: int) -> bool:
+    return not os.path.exists(f"/proc/{pid}") or _is_zombie(pid)
+
+
+@pytest.mark.parametrize("mode", ["used", "killed", "unused"])
+def test_the_first_worker_is_the_spare_forked_before_any_request_and_none_is_left(tmp_path: Path, mode: str) -> None:
+    out, stderr = _run_spare(tmp_path, mode)
+    assert len(out["spares"]) == 1  # forked before the first iteration asked for a worker
+    spare = out["spares"][0]
+    if mode != "unused":
+        assert out["batches"] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+        assert out["worker_comms"] == ["aioloader-work", "aioloader-work"]
+        # Used, the spare is one of the two workers; killed before that, both are forks.
+        assert (spare in out["workers"]) == (mode == "used")
+    assert "unexpected pid" not in stderr and "Traceback" not in stderr
+    # Whatever became of it, nothing outlives the consumer: the spare ends with its server.
+    for pid in (spare, out["server"]):
+        wait_until(lambda pid=pid: _gone(pid), 30.0, f"process {pid} to exit with its consumer")
