@@ -35,9 +35,9 @@ named ``aioloader-trk``) that runs multiprocessing's own tracker loop
 (``resource_tracker.main``) on a pipe the consumer made; the consumer records the write
 end as its tracker, as ``ensure_running`` would, and passes it to every worker as
 usual. The tracker ends, cleaning up what was leaked, once the consumer and every
-worker have closed that end. The server forks it once it has answered its first request
-(or as it ends, if it never gets one): before its loop, that fork (5-8 ms of the
-server's time with torch imported) delayed the first worker by as much. Until then
+worker have closed that end. The server forks it once no request has come for 0.1 s (or as
+it ends): before its loop, that fork (5-8 ms of the server's time with torch imported)
+delayed the first worker by as much. Until then
 what the consumer registers waits in the pipe.
 
 The first worker comes without a fork on its way too. As it starts, the server forks a
@@ -96,6 +96,7 @@ TRACKER_NAME = b"aioloader-trk"  # the resource tracker it forks
 SPARE_NAME = b"aioloader-spare"  # the worker it forks before the first request (then aioloader-work)
 
 _lock = threading.Lock()
+_TRACKER_GRACE = 0.1  # seconds without a request after which the forked server forks the tracker
 _MAX_FD = 1 << 20  # closerange's end: past any fd a process here may hold
 _NATIVE_AT_IMPORT: int | None = None  # set below, once the module's imports are done
 
@@ -268,7 +269,7 @@ def _serve(listener_fd: int, alive_r: int, tracker: tuple[int, int] | None) -> N
     try:
         forkserver.main(listener_fd, alive_r, [])
     finally:
-        hooks.start_tracker()  # the server ends before it answered anyone: the tracker still cleans up
+        hooks.start_tracker()  # the server ends before its tracker was forked: it still cleans up
 
 
 class _Hooks:  # pragma: no cover - in the forked server
@@ -281,10 +282,11 @@ class _Hooks:  # pragma: no cover - in the forked server
       object comes on and the fds multiprocessing passes), then runs as a worker forked
       for that request would. It ends, unused, when the server does (end of file on its
       socket). Later requests, and the first when the spare is gone, get a fork.
-    * **The resource tracker forked late**: once the first request is answered (when
-      the loop next waits), or when the server ends before any, rather than before the
-      loop starts, where its fork delayed the first worker by as much. Until then what
-      the consumer registers waits in the tracker's pipe.
+    * **The resource tracker forked late**: once the loop has had nothing to do for
+      ``_TRACKER_GRACE`` (or when the server ends), rather than before the loop starts,
+      where its fork delayed the first worker by as much, or right after the first
+      request, where it took a core from the first batch. Until then what the consumer
+      registers waits in the tracker's pipe.
 
     Both hook the names the loop looks up in ``multiprocessing.forkserver``: its ``os``
     (``fork``), ``reduction`` (``recvfds``, to see the request's fds) and ``selectors``
@@ -293,7 +295,6 @@ class _Hooks:  # pragma: no cover - in the forked server
 
     def __init__(self, worker: Any, close: tuple[int, ...]) -> None:
         self.tracker_r: int | None = None
-        self.answered = False
         self.received: list[int] = []
         self.spare: tuple[int, socket.socket] | None = None
         try:
@@ -322,7 +323,7 @@ class _Hooks:  # pragma: no cover - in the forked server
     def install(self) -> None:
         forkserver.os = _Override(os, fork=self.fork)  # type: ignore[attr-defined]
         forkserver.reduction = _Override(reduction, recvfds=self.recvfds)  # type: ignore[attr-defined]
-        forkserver.selectors = _Override(selectors, DefaultSelector=lambda: _Selector(self.waiting))  # type: ignore[attr-defined]
+        forkserver.selectors = _Override(selectors, DefaultSelector=lambda: _Selector(self))  # type: ignore[attr-defined]
 
     @staticmethod
     def remove() -> None:
@@ -334,7 +335,6 @@ class _Hooks:  # pragma: no cover - in the forked server
         return fds
 
     def fork(self) -> int:
-        self.answered = True
         spare, self.spare = self.spare, None
         if spare is not None and self.received:
             pid, sock = spare
@@ -347,9 +347,13 @@ class _Hooks:  # pragma: no cover - in the forked server
                     pass
         return os.fork()
 
-    def waiting(self) -> None:
-        if self.answered:
-            self.start_tracker()
+    def grace(self) -> float | None:
+        """How long the loop may wait for a request before the tracker is forked
+        (``None`` once it is): ``_TRACKER_GRACE``, so that its fork comes after the
+        burst of requests that starts a pool and the first batch that follows, not
+        among them, and a consumer that asks for no worker gets its tracker all the
+        same, before what it registers can fill the pipe."""
+        return None if self.tracker_r is None else _TRACKER_GRACE
 
     def start_tracker(self) -> None:
         r, self.tracker_r = self.tracker_r, None
@@ -361,14 +365,20 @@ class _Hooks:  # pragma: no cover - in the forked server
 
 
 class _Selector(selectors.DefaultSelector):  # pragma: no cover - in the forked server
-    """The loop's selector, which runs ``waiting`` each time before the loop waits."""
+    """The loop's selector: while the tracker is still to fork, a wait that outlasts
+    its grace (nothing to answer) forks it, then waits as asked."""
 
-    def __init__(self, waiting: Any) -> None:
+    def __init__(self, hooks: _Hooks) -> None:
         super().__init__()
-        self._waiting = waiting
+        self._hooks = hooks
 
     def select(self, timeout: float | None = None) -> Any:
-        self._waiting()
+        grace = self._hooks.grace()
+        if grace is not None:
+            events = super().select(grace)
+            if events:
+                return events
+            self._hooks.start_tracker()
         return super().select(timeout)
 
 

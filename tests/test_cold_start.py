@@ -192,27 +192,37 @@ def test_the_first_batch_imports_nothing_in_a_worker_or_in_the_consumer(tmp_path
 # what a consumer that died left registered. The consumer here registers a shared-memory
 # segment it never unlinks, then exits at once (no atexit, no finalizers).
 TRACKER = '''
-import json, os, sys
+import json, os, sys, time
 from multiprocessing import resource_tracker, shared_memory
 import aioloader
 from aioloader import _forkserver
 
 def comm(pid):
-    with open(f"/proc/{pid}/comm") as f:
-        return f.read().strip()
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+def children(pid):
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(k) for k in f.read().split()]
 
 if __name__ == "__main__":
     loader = aioloader.DataLoader(list(range(16)), 4, num_workers=2)
-    if sys.argv[2] == "before-any-worker":
-        # The server forks its tracker once it has answered its first request; a consumer
-        # that dies before asking for a worker must be cleaned up after all the same.
+    if sys.argv[2] != "after-its-batches":
+        # The server forks its tracker once no request has come for 0.1 s, or as it ends:
+        # a consumer that asks for no worker must be cleaned up after all the same,
+        # whether it dies at once or lives on idle.
+        server = _forkserver.server_pid()
+        while sys.argv[2] == "idle" and not any(comm(k) == "aioloader-trk" for k in children(server)):
+            time.sleep(0.005)  # a poll of /proc until the tracker is there (the test's timeout bounds it)
         leak = shared_memory.SharedMemory(name=sys.argv[1], create=True, size=4096)
         os._exit(0)
     batches = [b.tolist() for b in loader]
     server = _forkserver.server_pid()
-    with open(f"/proc/{server}/task/{server}/children") as f:
-        kids = [int(k) for k in f.read().split()]
-    trackers = [k for k in kids if comm(k) == "aioloader-trk"]
+    while not (trackers := [k for k in children(server) if comm(k) == "aioloader-trk"]):
+        time.sleep(0.005)  # forked 0.1 s after the last request: a poll of /proc (the test's timeout bounds it)
     with open(f"/proc/{trackers[0]}/cmdline", "rb") as f:
         cmdline = f.read().replace(b"\\0", b" ").decode()
     leak = shared_memory.SharedMemory(name=sys.argv[1], create=True, size=4096)
@@ -224,7 +234,7 @@ if __name__ == "__main__":
 '''
 
 
-@pytest.mark.parametrize("when", ["after-its-batches", "before-any-worker"])
+@pytest.mark.parametrize("when", ["after-its-batches", "before-any-worker", "idle"])
 def test_the_forked_forkserver_forks_the_resource_tracker_which_cleans_up_after_a_dead_consumer(
     tmp_path: Path, when: str
 ) -> None:
@@ -237,7 +247,7 @@ def test_the_forked_forkserver_forks_the_resource_tracker_which_cleans_up_after_
         [sys.executable, str(script), name, when], capture_output=True, text=True, timeout=150, env=env, check=False
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    if when == "before-any-worker":
+    if when != "after-its-batches":
         assert not os.path.exists(f"/dev/shm/{name}")
         assert "leaked shared_memory" in proc.stderr
         return
