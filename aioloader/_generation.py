@@ -322,9 +322,11 @@ def concurrency_of(ex: cf.Executor) -> int:
 
 
 def interpreter_exiting() -> bool:
+    """Whether this process is exiting: its pools were retired by the exit hook below,
+    or ``concurrent.futures`` began its own shutdown."""
     from concurrent.futures import process, thread
 
-    return bool(getattr(process, "_global_shutdown", False) or getattr(thread, "_shutdown", False))
+    return _exiting or bool(getattr(process, "_global_shutdown", False) or getattr(thread, "_shutdown", False))
 
 
 def _forget_threads(ex: cf.Executor) -> None:
@@ -340,6 +342,7 @@ def _forget_threads(ex: cf.Executor) -> None:
 
 # Generation boxes of the pools not yet shut down (a pool removes its own).
 live_boxes: dict[int, list[Generation | None]] = {}
+_exiting = False  # set by the exit hook: from then on no pool starts workers
 
 
 def _retire_all_at_exit() -> None:
@@ -347,7 +350,12 @@ def _retire_all_at_exit() -> None:
     waits for them. Its exit hook joins each pool's manager thread, which waits for
     running tasks: a worker stuck in a sample would hang the exit, Ctrl-C included.
     Threading exit hooks run newest first, and this one is registered after that
-    module's (imported above), so it runs first and kills what is still running."""
+    module's (imported above), so it runs first and kills what is still running.
+    From then on no pool makes a generation: the tasks those workers held come back
+    lost, and a retry must not fork new workers while the process exits (they would
+    start after its semaphores are gone and die printing a ``FileNotFoundError``)."""
+    global _exiting
+    _exiting = True
     for box in list(live_boxes.values()):
         gen, box[0] = box[0], None
         if gen is not None and gen.owned and gen.processes is not None:
@@ -393,6 +401,8 @@ def _after_fork_in_child() -> None:
     """A child forked from this process inherits its pools and its forkserver's
     bookkeeping, none of which it owns: without this it would kill its parent's workers
     at exit, and its first pool would fail with ``ChildProcessError``."""
+    global _exiting
+    _exiting = False  # a child forked while its parent exits is not exiting itself
     for box in live_boxes.values():
         box[0] = None
     live_boxes.clear()

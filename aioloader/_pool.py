@@ -188,6 +188,8 @@ class WorkerPool:
             if self._closed:
                 raise LoaderClosedError("the worker pool is closed")
             if self._gen is None:
+                if interpreter_exiting():
+                    raise LoaderClosedError("the interpreter is shutting down: no worker starts now")
                 self._gen_count += 1
                 self._gen = self._box[0] = self._create(self._gen_count)
             return self._gen
@@ -397,8 +399,7 @@ class WorkerPool:
         return gen.pids() if gen is not None else []
 
     def close(self) -> None:
-        """Shut down the executor if this pool owns it. Idempotent; never waits for a
-        running task longer than a short grace period (the worker is then killed)."""
+        """Shut down an owned executor. Idempotent; a running task gets a short grace, then its worker is killed."""
         with self._lock:
             if self._closed:
                 return
