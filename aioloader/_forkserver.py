@@ -45,8 +45,8 @@ spare worker (``aioloader-spare``) that waits for a request, and answers the fir
 request with it: the spare receives that request's fds and runs as a worker forked for
 it would. Later requests, and the first if the spare has died, get a fork. An unused
 spare ends with the server (end of file on its socket). See :class:`_Hooks` for how
-multiprocessing's loop is made to do both. Together they took the cold start of the
-benchmark suite from 33-39 ms to 24-27 (torch: 29-34).
+multiprocessing's loop is made to do both. Together they took the benchmark suite's
+cold start (median of 7-9 repetitions) from about torch's to 0.79-0.82x of it.
 
 Private names read, because the public API has no way to install a forkserver:
 
