@@ -85,7 +85,7 @@ from multiprocessing import resource_tracker as mp_tracker
 from multiprocessing.context import BaseContext
 from typing import Any
 
-from . import _byvalue
+from . import _byvalue, _inherit
 
 __all__ = ["after_fork_in_child", "prepare", "server_pid"]
 
@@ -163,6 +163,7 @@ def _fork_server(server: Any) -> None:
             os.chmod(address, 0o600)
             listener.listen()
             alive_r, alive_w = os.pipe()
+            theirs = _inherit.shared_with_children()
             try:
                 with warnings.catch_warnings():
                     # 3.12+ warns about any other OS thread; the only ones allowed here
@@ -177,6 +178,9 @@ def _fork_server(server: Any) -> None:
                 code = 1
                 try:
                     os.close(alive_w)
+                    for fd in theirs:
+                        with contextlib.suppress(OSError):
+                            os.close(fd)
                     _serve(listener.fileno(), alive_r, tracker)
                     code = 0
                 except SystemExit:  # forkserver.main's way out, once every client is gone

@@ -337,3 +337,42 @@ def test_the_first_worker_is_the_spare_forked_before_any_request_and_none_is_lef
     # Whatever became of it, nothing outlives the consumer: the spare ends with its server.
     for pid in (spare, out["server"]):
         wait_until(lambda pid=pid: _gone(pid), 30.0, f"process {pid} to exit with its consumer")
+
+
+# A child process the consumer feeds through a pipe, started before the first loader:
+# the forked forkserver (which lives as long as the consumer) must not keep the
+# consumer's end of that pipe open, or the child never sees the end of its input.
+PIPED_CHILD = '''
+import json, subprocess, sys
+import aioloader
+from aioloader import _forkserver
+
+if __name__ == "__main__":
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys; print(len(sys.stdin.read()))"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    child.stdin.write("abc")
+    loader = aioloader.DataLoader(list(range(16)), 4, num_workers=2)  # forks the server now
+    batches = [b.tolist() for b in loader]
+    with open(f"/proc/{_forkserver.server_pid()}/comm") as f:
+        server = f.read().strip()
+    try:
+        out, _ = child.communicate(timeout=20)  # closes its stdin: it ends at end of input
+    except subprocess.TimeoutExpired:
+        child.kill()
+        out = "no end of input"
+    print(json.dumps({"batches": batches, "child": out.strip(), "server": server}), flush=True)
+'''
+
+
+def test_the_forked_forkserver_keeps_no_pipe_the_consumer_shares_with_a_child(tmp_path: Path) -> None:
+    script = tmp_path / "piped.py"
+    script.write_text(PIPED_CHILD)
+    env = {k: v for k, v in os.environ.items() if k != "AIOLOADER_FORKSERVER"}
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=150, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert out["server"] == "aioloader-fsrv"  # the forked server, which inherits the consumer's fds
+    assert out["batches"] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    assert out["child"] == "3"  # it saw the end of its input (before: waited for the consumer's exit)
