@@ -187,16 +187,8 @@ def test_the_first_batch_imports_nothing_in_a_worker_or_in_the_consumer(tmp_path
     assert out["consumer"] == []  # the plan (its shuffle keys), the pool, the engine
 
 
-# The resource tracker that the forked forkserver forks (instead of a new interpreter):
-# it must be the consumer's tracker in every respect that matters, above all cleaning up
-# what a consumer that died left registered. The consumer here registers a shared-memory
-# segment it never unlinks, then exits at once (no atexit, no finalizers).
-TRACKER = '''
-import json, os, sys, time
-from multiprocessing import resource_tracker, shared_memory
-import aioloader
-from aioloader import _forkserver
-
+# What the consumer scripts below use to find the server's children.
+PROC_HELPERS = '''
 def comm(pid):
     try:
         with open(f"/proc/{pid}/comm") as f:
@@ -207,8 +199,32 @@ def comm(pid):
 def children(pid):
     with open(f"/proc/{pid}/task/{pid}/children") as f:
         return [int(k) for k in f.read().split()]
+'''
 
-if __name__ == "__main__":
+
+def _run(tmp_path: Path, script: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run a consumer script (``{helpers}`` in it replaced by :data:`PROC_HELPERS`) in a
+    fresh interpreter with the forked forkserver allowed."""
+    path = tmp_path / "consumer_script.py"
+    path.write_text(script.replace("{helpers}", PROC_HELPERS))
+    env = {k: v for k, v in os.environ.items() if k != "AIOLOADER_FORKSERVER"}
+    # A forked tracker inherits the consumer's stderr: the run ends once it has exited.
+    return subprocess.run(
+        [sys.executable, str(path), *args], capture_output=True, text=True, timeout=150, env=env, check=False
+    )
+
+
+# The resource tracker that the forked forkserver forks (instead of a new interpreter):
+# it must be the consumer's tracker in every respect that matters, above all cleaning up
+# what a consumer that died left registered. The consumer here registers a shared-memory
+# segment it never unlinks, then exits at once (no atexit, no finalizers).
+TRACKER = '''
+import json, os, sys, time
+from multiprocessing import resource_tracker, shared_memory
+import aioloader
+from aioloader import _forkserver
+
+{helpers}if __name__ == "__main__":
     loader = aioloader.DataLoader(list(range(16)), 4, num_workers=2)
     if sys.argv[2] != "after-its-batches":
         # The server forks its tracker once no request has come for 0.1 s, or as it ends:
@@ -238,14 +254,8 @@ if __name__ == "__main__":
 def test_the_forked_forkserver_forks_the_resource_tracker_which_cleans_up_after_a_dead_consumer(
     tmp_path: Path, when: str
 ) -> None:
-    script = tmp_path / "tracker.py"
-    script.write_text(TRACKER)
     name = f"aioloader_test_tracker_{os.getpid()}"
-    env = {k: v for k, v in os.environ.items() if k != "AIOLOADER_FORKSERVER"}
-    # The tracker inherits the consumer's stderr: the run ends once the tracker has exited.
-    proc = subprocess.run(
-        [sys.executable, str(script), name, when], capture_output=True, text=True, timeout=150, env=env, check=False
-    )
+    proc = _run(tmp_path, TRACKER, name, when)
     assert proc.returncode == 0, proc.stderr[-4000:]
     if when != "after-its-batches":
         assert not os.path.exists(f"/dev/shm/{name}")
@@ -276,18 +286,7 @@ import json, os, signal, sys, time
 import aioloader
 from aioloader import _forkserver
 
-def comm(pid):
-    try:
-        with open(f"/proc/{pid}/comm") as f:
-            return f.read().strip()
-    except OSError:
-        return None
-
-def children(pid):
-    with open(f"/proc/{pid}/task/{pid}/children") as f:
-        return [int(k) for k in f.read().split()]
-
-if __name__ == "__main__":
+{helpers}if __name__ == "__main__":
     loader = aioloader.DataLoader(list(range(16)), 4, num_workers=2)
     server = _forkserver.server_pid()
     deadline = time.monotonic() + 30  # the server forks it as it starts (a poll of /proc, not a sleep)
@@ -309,12 +308,7 @@ if __name__ == "__main__":
 
 
 def _run_spare(tmp_path: Path, mode: str) -> tuple[dict, str]:
-    script = tmp_path / "spare.py"
-    script.write_text(SPARE)
-    env = {k: v for k, v in os.environ.items() if k != "AIOLOADER_FORKSERVER"}
-    proc = subprocess.run(
-        [sys.executable, str(script), mode], capture_output=True, text=True, timeout=150, env=env, check=False
-    )
+    proc = _run(tmp_path, SPARE, mode)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.splitlines()[-1]), proc.stderr
 
@@ -367,10 +361,7 @@ if __name__ == "__main__":
 
 
 def test_the_forked_forkserver_keeps_no_pipe_the_consumer_shares_with_a_child(tmp_path: Path) -> None:
-    script = tmp_path / "piped.py"
-    script.write_text(PIPED_CHILD)
-    env = {k: v for k, v in os.environ.items() if k != "AIOLOADER_FORKSERVER"}
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=150, env=env)
+    proc = _run(tmp_path, PIPED_CHILD)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.splitlines()[-1])
     assert out["server"] == "aioloader-fsrv"  # the forked server, which inherits the consumer's fds

@@ -542,11 +542,14 @@ EXIT_SCRIPT = textwrap.dedent(
 )
 
 
-def test_interpreter_exit_never_hangs_on_open_loaders(tmp_path: Path) -> None:
-    script = tmp_path / "exit.py"
-    script.write_text(EXIT_SCRIPT.format(root=str(Path(__file__).resolve().parents[1])))
+def _run_exiting(tmp_path: Path, template: str, *args: str) -> tuple[str, str]:
+    """Run a script that exits on its own (in a session of its own, killed as a group if
+    it outlives 60 s), check that it exited cleanly and left no process, return its
+    stdout and stderr."""
+    script = tmp_path / "exiting.py"
+    script.write_text(template.format(root=str(Path(__file__).resolve().parents[1])))
     proc = subprocess.Popen(
-        [sys.executable, str(script)],
+        [sys.executable, str(script), *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -559,9 +562,14 @@ def test_interpreter_exit_never_hangs_on_open_loaders(tmp_path: Path) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     assert proc.returncode == 0, err
-    assert out.strip() == "exiting"
     assert "Traceback" not in err, err
     wait_until(lambda: not _group_alive(proc.pid), 20.0, "the script's processes to exit")
+    return out, err
+
+
+def test_interpreter_exit_never_hangs_on_open_loaders(tmp_path: Path) -> None:
+    out, _err = _run_exiting(tmp_path, EXIT_SCRIPT)
+    assert out.strip() == "exiting"
 
 
 # A consumer that exits while its workers hold tasks that never end. The exit hook kills
@@ -600,32 +608,14 @@ EXIT_MID_TASK_SCRIPT = textwrap.dedent(
 
 @pytest.mark.parametrize("when", ["at-exit", "after-the-exit-hook"])
 def test_an_exit_with_tasks_in_flight_starts_no_new_workers(tmp_path: Path, when: str) -> None:
-    script = tmp_path / "exit_mid_task.py"
-    script.write_text(EXIT_MID_TASK_SCRIPT.format(root=str(Path(__file__).resolve().parents[1])))
     # The race at a real exit is not certain to show in one run: three runs.
     for _ in range(3 if when == "at-exit" else 1):
-        proc = subprocess.Popen(
-            [sys.executable, str(script), when],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
-        try:
-            out, err = proc.communicate(timeout=60)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        assert proc.returncode == 0, err
-        assert "Traceback" not in err, err
-        lines = out.split()
+        lines = _run_exiting(tmp_path, EXIT_MID_TASK_SCRIPT, when)[0].split()
         assert lines[0] == "[0,"
         if when == "after-the-exit-hook":
             # Refused at once: before, a new generation ran the stuck samples again
             # until the loader's timeout (LoaderTimeout).
-            assert lines[-1] == "LoaderClosedError", out
-        wait_until(lambda pid=proc.pid: not _group_alive(pid), 20.0, "the script's processes to exit")
+            assert lines[-1] == "LoaderClosedError", lines
 
 
 def test_aclose_from_another_task_ends_iteration_with_loader_closed(tmp_path: Path) -> None:
