@@ -70,6 +70,7 @@ This module never imports asyncio.
 from __future__ import annotations
 
 import array
+import atexit
 import contextlib
 import gc
 import os
@@ -78,6 +79,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 import types
 import warnings
 from multiprocessing import connection, forkserver, reduction
@@ -85,7 +87,8 @@ from multiprocessing import resource_tracker as mp_tracker
 from multiprocessing.context import BaseContext
 from typing import Any
 
-from . import _byvalue, _inherit
+from . import _byvalue
+from . import _forkserver_parts as parts
 
 __all__ = ["after_fork_in_child", "prepare", "server_pid"]
 
@@ -97,6 +100,7 @@ SPARE_NAME = b"aioloader-spare"  # the worker it forks before the first request 
 
 _lock = threading.Lock()
 _TRACKER_GRACE = 0.1  # seconds without a request after which the forked server forks the tracker
+_TRACKER_LATEST = 1.0  # seconds after its start by which it forks the tracker, requests or not
 _MAX_FD = 1 << 20  # closerange's end: past any fd a process here may hold
 _NATIVE_AT_IMPORT: int | None = None  # set below, once the module's imports are done
 
@@ -163,7 +167,7 @@ def _fork_server(server: Any) -> None:
             os.chmod(address, 0o600)
             listener.listen()
             alive_r, alive_w = os.pipe()
-            theirs = _inherit.shared_with_children()
+            theirs = parts.shared_with_children()
             try:
                 with warnings.catch_warnings():
                     # 3.12+ warns about any other OS thread; the only ones allowed here
@@ -178,9 +182,7 @@ def _fork_server(server: Any) -> None:
                 code = 1
                 try:
                     os.close(alive_w)
-                    for fd in theirs:
-                        with contextlib.suppress(OSError):
-                            os.close(fd)
+                    parts.neutralize(theirs)
                     _serve(listener.fileno(), alive_r, tracker)
                     code = 0
                 except SystemExit:  # forkserver.main's way out, once every client is gone
@@ -249,10 +251,13 @@ def _serve(listener_fd: int, alive_r: int, tracker: tuple[int, int] | None) -> N
     from . import _forkserver_preload  # noqa: F401  (workers ignore SIGINT from birth)
 
     serve_one = forkserver._serve_one  # type: ignore[attr-defined]  # replaced in this process only
+    hooks: _Hooks | None = None  # stays None in the spare, which it forks
 
     def worker(*args: Any) -> Any:  # each forked worker takes a name of its own
         _name_process(WORKER_NAME)
         _Hooks.remove()
+        if hooks is not None and hooks.tracker_r is not None:  # the tracker's read end, not forked yet
+            os.close(hooks.tracker_r)
         return serve_one(*args)
 
     forkserver._serve_one = worker  # type: ignore[attr-defined]
@@ -287,7 +292,8 @@ class _Hooks:  # pragma: no cover - in the forked server
       for that request would. It ends, unused, when the server does (end of file on its
       socket). Later requests, and the first when the spare is gone, get a fork.
     * **The resource tracker forked late**: once the loop has had nothing to do for
-      ``_TRACKER_GRACE`` (or when the server ends), rather than before the loop starts,
+      ``_TRACKER_GRACE``, or ``_TRACKER_LATEST`` after the start however busy the loop
+      is, or when the server ends, rather than before the loop starts,
       where its fork delayed the first worker by as much, or right after the first
       request, where it took a core from the first batch. Until then what the consumer
       registers waits in the tracker's pipe.
@@ -301,33 +307,46 @@ class _Hooks:  # pragma: no cover - in the forked server
         self.tracker_r: int | None = None
         self.received: list[int] = []
         self.spare: tuple[int, socket.socket] | None = None
+        self.deadline = 0.0
         try:
             ours, theirs = socket.socketpair()
-            pid = os.fork()
         except OSError:
             return
+        try:
+            pid = os.fork()
+        except OSError:
+            ours.close()
+            theirs.close()
+            return
         if pid == 0:
-            code = 1
+            code, armed = 1, False
             try:
                 _name_process(SPARE_NAME)
                 ours.close()
                 for fd in close:
                     os.close(fd)
-                fds = _await_request(theirs)
+                fds = parts.await_request(theirs)
                 theirs.close()
-                code = 0 if fds is None else worker(fds[0], fds[1:], [], {})
+                if fds is None:
+                    code = 0
+                else:
+                    armed = parts.arm_exit_hooks()
+                    code = worker(fds[0], fds[1:], [], {})
             except Exception:
                 sys.excepthook(*sys.exc_info())
                 sys.stderr.flush()
             finally:
+                if armed:
+                    atexit._run_exitfuncs()
                 os._exit(code)
         theirs.close()
         self.spare = (pid, ours)
 
     def install(self) -> None:
-        forkserver.os = _Override(os, fork=self.fork)  # type: ignore[attr-defined]
-        forkserver.reduction = _Override(reduction, recvfds=self.recvfds)  # type: ignore[attr-defined]
-        forkserver.selectors = _Override(selectors, DefaultSelector=lambda: _Selector(self))  # type: ignore[attr-defined]
+        self.deadline = time.monotonic() + _TRACKER_LATEST
+        forkserver.os = parts.Override(os, fork=self.fork)  # type: ignore[attr-defined]
+        forkserver.reduction = parts.Override(reduction, recvfds=self.recvfds)  # type: ignore[attr-defined]
+        forkserver.selectors = parts.Override(selectors, DefaultSelector=lambda: parts.Selector(self))  # type: ignore[attr-defined]
 
     @staticmethod
     def remove() -> None:
@@ -340,24 +359,28 @@ class _Hooks:  # pragma: no cover - in the forked server
 
     def fork(self) -> int:
         spare, self.spare = self.spare, None
-        if spare is not None and self.received:
+        if spare is not None:
             pid, sock = spare
-            child_r, _child_w, *fds = self.received
             with sock:
-                try:
-                    sock.sendmsg([b"F"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [child_r, *fds]))])
-                    return pid
-                except OSError:  # it died unused: a fork, then
-                    pass
+                if len(self.received) >= 2:
+                    child_r, _child_w, *fds = self.received
+                    rights = array.array("i", [child_r, *fds])
+                    with contextlib.suppress(OSError):  # it died unused: a fork, then
+                        # MSG_NOSIGNAL: a consumer may have left SIGPIPE at its default.
+                        sock.sendmsg([b"F"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, rights)], socket.MSG_NOSIGNAL)
+                        return pid
         return os.fork()
 
     def grace(self) -> float | None:
         """How long the loop may wait for a request before the tracker is forked
-        (``None`` once it is): ``_TRACKER_GRACE``, so that its fork comes after the
-        burst of requests that starts a pool and the first batch that follows, not
-        among them, and a consumer that asks for no worker gets its tracker all the
-        same, before what it registers can fill the pipe."""
-        return None if self.tracker_r is None else _TRACKER_GRACE
+        (``None`` once it is, 0 when it is due now): ``_TRACKER_GRACE``, so that its
+        fork comes after the burst of requests that starts a pool and the first batch
+        that follows, not among them, and a consumer that asks for no worker gets its
+        tracker all the same, before what it registers can fill the pipe; and at the
+        latest ``_TRACKER_LATEST`` after the server started, however busy it is."""
+        if self.tracker_r is None:
+            return None
+        return max(0.0, min(_TRACKER_GRACE, self.deadline - time.monotonic()))
 
     def start_tracker(self) -> None:
         r, self.tracker_r = self.tracker_r, None
@@ -366,48 +389,6 @@ class _Hooks:  # pragma: no cover - in the forked server
                 if os.fork() == 0:
                     _track(r)
             os.close(r)
-
-
-class _Selector(selectors.DefaultSelector):  # pragma: no cover - in the forked server
-    """The loop's selector: while the tracker is still to fork, a wait that outlasts
-    its grace (nothing to answer) forks it, then waits as asked."""
-
-    def __init__(self, hooks: _Hooks) -> None:
-        super().__init__()
-        self._hooks = hooks
-
-    def select(self, timeout: float | None = None) -> Any:
-        grace = self._hooks.grace()
-        if grace is not None:
-            events = super().select(grace)
-            if events:
-                return events
-            self._hooks.start_tracker()
-        return super().select(timeout)
-
-
-class _Override(types.SimpleNamespace):  # pragma: no cover - in the forked server
-    """A module with some of its names replaced."""
-
-    def __init__(self, module: types.ModuleType, **names: Any) -> None:
-        super().__init__(**names)
-        self._module = module
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._module, name)
-
-
-def _await_request(sock: socket.socket) -> list[int] | None:  # pragma: no cover - in the spare
-    """The fds of the request the spare serves, or ``None`` once the server is gone."""
-    size = socket.CMSG_SPACE(forkserver.MAXFDS_TO_SEND * array.array("i").itemsize)
-    msg, ancdata, _flags, _addr = sock.recvmsg(1, size)
-    if not msg:
-        return None
-    fds = array.array("i")
-    for level, kind, data in ancdata:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
-    return list(fds)
 
 
 def _name_process(name: bytes) -> None:  # pragma: no cover - in the forked server

@@ -244,7 +244,11 @@ from aioloader import _forkserver
     leak = shared_memory.SharedMemory(name=sys.argv[1], create=True, size=4096)
     loader.close()
     tracker_fds = os.listdir(f"/proc/{trackers[0]}/fd")
+    pipes = lambda pid: {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+    tracker_pipes = {p for p in pipes(trackers[0]) if p.startswith("pipe:")}
+    held_by_workers = sorted(p for w in loader.worker_pids() for p in pipes(w) & tracker_pipes)
     print(json.dumps({"batches": batches, "trackers": trackers, "cmdline": cmdline, "tracker_fds": tracker_fds,
+                      "held_by_workers": held_by_workers,
                       "fd": resource_tracker._resource_tracker._fd is not None}), flush=True)
     os._exit(0)
 '''
@@ -268,6 +272,9 @@ def test_the_forked_forkserver_forks_the_resource_tracker_which_cleans_up_after_
     # Its pipe and stdio only: forked from inside the server's loop, it holds none of the
     # server's fds (a copy of a worker's status pipe would hide that worker's end).
     assert len(out["tracker_fds"]) <= 4, out["tracker_fds"]
+    # Forked after the workers, its read end is in none of them (a worker holding it would
+    # keep a dead tracker looking alive to the consumer's probe, which would then block).
+    assert out["held_by_workers"] == []
     # It saw the segment registered, and unlinked it once every holder of its pipe was gone.
     assert not os.path.exists(f"/dev/shm/{name}")
     assert "leaked shared_memory" in proc.stderr
@@ -286,8 +293,15 @@ import json, os, signal, sys, time
 import aioloader
 from aioloader import _forkserver
 
-{helpers}if __name__ == "__main__":
-    loader = aioloader.DataLoader(list(range(16)), 4, num_workers=2)
+{helpers}def note_exit(worker_id):
+    from multiprocessing import util
+    util.Finalize(None, open, (os.path.join(sys.argv[2], str(os.getpid())), "w"), exitpriority=10)
+
+if __name__ == "__main__":
+    # A command-line tool's setting: the server inherits it (a write to a dead spare
+    # would then kill the server, not raise).
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    loader = aioloader.DataLoader(list(range(16)), 4, num_workers=2, worker_init_fn=note_exit)
     server = _forkserver.server_pid()
     deadline = time.monotonic() + 30  # the server forks it as it starts (a poll of /proc, not a sleep)
     while not (spares := [k for k in children(server) if comm(k) == "aioloader-spare"]) and time.monotonic() < deadline:
@@ -308,7 +322,7 @@ from aioloader import _forkserver
 
 
 def _run_spare(tmp_path: Path, mode: str) -> tuple[dict, str]:
-    proc = _run(tmp_path, SPARE, mode)
+    proc = _run(tmp_path, SPARE, mode, str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.splitlines()[-1]), proc.stderr
 
@@ -327,6 +341,9 @@ def test_the_first_worker_is_the_spare_forked_before_any_request_and_none_is_lef
         assert out["worker_comms"] == ["aioloader-work", "aioloader-work"]
         # Used, the spare is one of the two workers; killed before that, both are forks.
         assert (spare in out["workers"]) == (mode == "used")
+        # Each worker ran multiprocessing's exit function (its finalizers) as it ended.
+        for pid in out["workers"]:
+            wait_until(lambda pid=pid: (tmp_path / str(pid)).exists(), 30.0, f"worker {pid}'s finalizer")
     assert "unexpected pid" not in stderr and "Traceback" not in stderr
     # Whatever became of it, nothing outlives the consumer: the spare ends with its server.
     for pid in (spare, out["server"]):
@@ -367,3 +384,35 @@ def test_the_forked_forkserver_keeps_no_pipe_the_consumer_shares_with_a_child(tm
     assert out["server"] == "aioloader-fsrv"  # the forked server, which inherits the consumer's fds
     assert out["batches"] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
     assert out["child"] == "3"  # it saw the end of its input (before: waited for the consumer's exit)
+
+
+def test_only_pipes_that_feed_a_child_are_let_go() -> None:
+    """The rule the forked server applies to the consumer's fds, on real children: the
+    write end of a pipe whose read end only a child holds is let go (that child waits for
+    its end); a pipe whose write end a child holds too (a ``fork`` child holds copies of
+    everything) is kept, and so are pipes no child holds."""
+    from aioloader import _forkserver_parts as parts
+
+    wait = [sys.executable, "-c", "import sys; sys.stdin.read()"]
+    fed_r, fed_w = os.pipe()
+    both_r, both_w = os.pipe()
+    lone_r, lone_w = os.pipe()
+    kids = [
+        subprocess.Popen(wait, stdin=subprocess.PIPE, pass_fds=(fed_r,)),
+        subprocess.Popen(wait, stdin=subprocess.PIPE, pass_fds=(both_r, both_w)),
+    ]
+    try:
+        os.close(fed_r)
+        os.close(both_r)
+        found = parts.shared_with_children()
+        assert kids[0].stdin is not None and kids[0].stdin.fileno() in found
+        assert fed_w in found
+        assert both_w not in found and lone_w not in found and lone_r not in found
+    finally:
+        for kid in kids:
+            assert kid.stdin is not None
+            kid.stdin.close()
+        for kid in kids:
+            kid.wait(30)
+        for fd in (fed_w, both_w, lone_r, lone_w):
+            os.close(fd)

@@ -21,6 +21,7 @@ WORKER_SIDE = [
     "_lane_wire.py",
     "_spill.py",
     "_forkserver_preload.py",
+    "_forkserver_parts.py",
     "_orphan.py",
     "_byvalue.py",
     "_stream_worker.py",
