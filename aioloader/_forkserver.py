@@ -35,8 +35,8 @@ named ``aioloader-trk``) that runs multiprocessing's own tracker loop
 (``resource_tracker.main``) on a pipe the consumer made; the consumer records the write
 end as its tracker, as ``ensure_running`` would, and passes it to every worker as
 usual. The tracker ends, cleaning up what was leaked, once the consumer and every
-worker have closed that end. The server forks it once no request has come for 0.1 s (or as
-it ends): before its loop, that fork (5-8 ms of the server's time with torch imported)
+worker have closed that end. The server forks it once no request has come for 0.1 s (1 s after
+it starts at the latest, or as it ends): before its loop, that fork (5-8 ms of the server's time with torch imported)
 delayed the first worker by as much. Until then
 what the consumer registers waits in the pipe.
 
