@@ -36,7 +36,6 @@ from typing import Any
 
 __all__ = ["Override", "Selector", "arm_exit_hooks", "await_request", "neutralize", "shared_with_children"]
 
-_WRITE_ONLY = os.O_WRONLY
 
 
 def shared_with_children() -> list[int]:
@@ -47,7 +46,7 @@ def shared_with_children() -> list[int]:
     written_by: set[str] = set()
     for kid in _children():
         for fd, pipe in _pipes(f"/proc/{kid}").items():
-            (written_by if _mode(f"/proc/{kid}", fd) == _WRITE_ONLY else read_by).add(pipe)
+            (written_by if _mode(f"/proc/{kid}", fd) == os.O_WRONLY else read_by).add(pipe)
     feeding = read_by - written_by
     if not feeding:
         return []
@@ -55,7 +54,7 @@ def shared_with_children() -> list[int]:
     return sorted(
         int(fd)
         for fd, pipe in mine.items()
-        if pipe in feeding and int(fd) > 2 and _mode("/proc/self", fd) == _WRITE_ONLY
+        if pipe in feeding and int(fd) > 2 and _mode("/proc/self", fd) == os.O_WRONLY
     )
 
 

@@ -21,6 +21,7 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from . import _reply
+from ._shm._names import _pid_alive
 
 __all__ = ["HEAD", "PREFIX", "READ", "frame", "read_exact", "serve", "sweep"]
 
@@ -60,9 +61,10 @@ def serve(task_path: str, reply_path: str, origin: _reply.Origin) -> None:
     try:
         while True:
             head = read_exact(rfd, HEAD.size)
-            if head is None or not HEAD.unpack(head)[0]:
+            size = HEAD.unpack(head)[0] if head is not None else 0
+            if not size:
                 return
-            body = read_exact(rfd, HEAD.unpack(head)[0])
+            body = read_exact(rfd, size)
             if body is None:
                 return
             try:
@@ -111,7 +113,7 @@ def sweep(folder: str) -> int:
         return 0
     for name in names:
         pid = name[len(PREFIX) :].partition("-")[0]
-        if not name.startswith(PREFIX) or not pid.isdigit() or _alive(int(pid)):
+        if not name.startswith(PREFIX) or not pid.isdigit() or _pid_alive(int(pid)):
             continue
         path = os.path.join(folder, name)
         with contextlib.suppress(OSError):
@@ -121,12 +123,3 @@ def sweep(folder: str) -> int:
                 removed += 1
     return removed
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except PermissionError:  # another user's process
-        return True
-    except (OSError, OverflowError):  # no such process, or no pid at all
-        return False
-    return True

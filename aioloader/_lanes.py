@@ -314,13 +314,14 @@ class Lanes:
             if len(chunk) < READ:
                 break
         buf, pos, replies = lane.inbuf, 0, []
-        while len(buf) - pos >= HEAD.size:
-            (size,) = HEAD.unpack_from(buf, pos)
-            end = pos + HEAD.size + size
-            if len(buf) < end:
-                break
-            replies.append(bytes(buf[pos + HEAD.size : end]))
-            pos = end
+        with memoryview(buf) as view:  # one copy of each reply, not a slice and its copy
+            while len(buf) - pos >= HEAD.size:
+                (size,) = HEAD.unpack_from(buf, pos)
+                end = pos + HEAD.size + size
+                if len(buf) < end:
+                    break
+                replies.append(bytes(view[pos + HEAD.size : end]))
+                pos = end
         del buf[:pos]
         if not replies:
             return

@@ -21,6 +21,7 @@ import pytest
 
 import aioloader
 from aioloader import _lane_wire, _lanes
+from aioloader._shm._names import _pid_alive
 
 from . import _pool_helpers as H
 from ._datasets import RangeDataset
@@ -307,7 +308,7 @@ def test_fifos_of_a_consumer_that_is_gone_are_swept_and_a_live_ones_are_kept(tmp
     for p in [*dead, live, not_a_pid, plain]:
         os.utime(p, (old, old))
     removed = _lane_wire.sweep(str(tmp_path))
-    alive_again = _lane_wire._alive(child.pid)  # the pid was reused meanwhile: kept, as it should be
+    alive_again = _pid_alive(child.pid)  # the pid was reused meanwhile: kept, as it should be
     assert all(p.exists() == alive_again for p in dead)
     assert removed == (1 if alive_again else 3)  # the dead pid's two, and the pid no process can have
     assert young.exists() and live.exists() and plain.exists() and not not_a_pid.exists()

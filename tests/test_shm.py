@@ -25,7 +25,7 @@ from aioloader._transport import make_transport
 
 from . import _shm_datasets as D
 from ._shm_datasets import assert_same, shm_backed
-from .conftest import descendant_workers, descendants, is_tracker, wait_until
+from .conftest import _label, descendant_workers, descendants, is_tracker, wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -300,13 +300,15 @@ def test_worker_killed_mid_write(tmp_path: Path, collect: Callable[..., list[Any
 
 def _stop_orphans(pids: set[int]) -> None:
     """Stop what a killed consumer left running. Its resource tracker is left to exit on
-    its own once the others are gone: it then unlinks the dead run's semaphores."""
-    tracker = {p for p in pids if is_tracker(p)}
+    its own once the others are gone: it then unlinks the dead run's semaphores. So is a
+    forked forkserver, which ends as soon as its consumer has (and forks the tracker
+    then if it had not yet: killing it first would lose what the tracker was to clean)."""
+    tracker = {p for p in pids if is_tracker(p) or "aioloader-fsrv" in _label(p)}
     for p in pids - tracker:
         with contextlib.suppress(ProcessLookupError):
             os.kill(p, signal.SIGKILL)
     try:
-        wait_until(lambda: not any(_alive(p) for p in tracker), 20.0, "the orphaned resource tracker to exit")
+        wait_until(lambda: not any(_alive(p) for p in tracker), 20.0, "the orphaned tracker and forkserver to exit")
     finally:
         for p in tracker:
             with contextlib.suppress(ProcessLookupError):
