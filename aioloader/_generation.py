@@ -286,7 +286,8 @@ class Generation:
                 p.kill()
         if sentinels:
             wait_ready(list(sentinels), 5.0)
-        if manager is not None and manager is not threading.current_thread():
+        # Never started: its start failed (at interpreter exit, after it was created).
+        if manager is not None and manager is not threading.current_thread() and manager.ident is not None:
             manager.join(10.0)
         if lanes is not None:
             lanes.join()
