@@ -21,6 +21,8 @@ processes a pool runs, which one died, or stop a stuck worker:
 ``ProcessPoolExecutor._processes``                 worker pids, exit codes at a break, killing
 ``ProcessPoolExecutor._executor_manager_thread``   is a callback in it; joining it when retired
 ``ProcessPoolExecutor._launch_processes``          forking every worker, before any task
+``ProcessPoolExecutor``'s ``Process`` calls on its   numbering its workers (see :class:`_Numbered`)
+context
 ``ProcessPoolExecutor._max_workers``,              concurrency of a borrowed executor
 ``ThreadPoolExecutor._max_workers``
 ``ThreadPoolExecutor._threads``,                   letting interpreter exit pass an abandoned,
@@ -39,6 +41,7 @@ import concurrent.futures.process  # its exit hook must be registered before our
 import concurrent.futures.thread  # noqa: F401
 import contextlib
 import gc
+import itertools
 import os
 import signal
 import threading
@@ -50,7 +53,7 @@ from multiprocessing import resource_tracker as mp_tracker
 from multiprocessing import util as mp_util
 from multiprocessing.connection import wait as wait_ready
 from multiprocessing.context import BaseContext
-from typing import Any
+from typing import Any, cast
 
 from . import _byvalue, _forkserver, _lanes, _reply, _worker
 from ._slots import Slots
@@ -130,8 +133,10 @@ class Generation:
             with tracker_safe():
                 table = ctx.RawArray("q", Slots.WIDTH * n)
                 paths = lanes.paths() if lanes is not None else None
-                args = (dict(payloads), table, _slot_lock(ctx), ctx.RawValue("i", 0), n, os.getpid(), paths, origin)
-                pex = cf.ProcessPoolExecutor(n, ctx, _worker.pool_initializer, args)
+                args = (dict(payloads), table, n, os.getpid(), paths, origin)
+                # A context in all but type: it passes every other name through.
+                numbered = cast(BaseContext, _Numbered(ctx))
+                pex = cf.ProcessPoolExecutor(n, numbered, _worker.pool_initializer, args)
         except BaseException:
             if lanes is not None:
                 lanes.join()
@@ -381,21 +386,29 @@ def _retire_at_child_exit() -> None:
         mp_util.Finalize(None, _retire_all_at_exit, exitpriority=100)
 
 
-_slot_locks_guard = threading.Lock()
-_slot_locks: dict[str, Any] = {}
+class _Numbered:
+    """The start-method context the executor of one generation is given: each process
+    it makes carries its number in the generation (``0 .. n-1`` in the order the
+    executor creates them), which is the worker's row of the slot table and its lane.
 
+    The number travels with the process object, pickled for a forkserver or spawn
+    start and inherited by a fork, so a worker knows it with nothing to share: no
+    lock and counter that every worker takes as it starts. A worker killed in such a
+    section (a crash's survivors are killed, a stuck start is killed) would leave the
+    lock held for good, and with one lock per start method for the whole process
+    every later pool's workers would wait on it for ever."""
 
-def _slot_lock(ctx: BaseContext) -> Any:
-    """The lock workers take to claim a row of their generation's table: one per start
-    method for the whole process, not one per generation. (A multiprocessing lock that the
-    garbage collector finalizes while this thread talks to the resource tracker makes
-    CPython 3.12's tracker raise ``ReentrantCallError`` and keep descriptors.)"""
-    method = ctx.get_start_method()
-    with _slot_locks_guard:
-        lock = _slot_locks.get(method)
-        if lock is None:
-            lock = _slot_locks[method] = ctx.Lock()
-        return lock
+    def __init__(self, ctx: BaseContext) -> None:
+        self._ctx: Any = ctx  # one of multiprocessing's contexts (the base type has no Process)
+        self._made = itertools.count()
+
+    def Process(self, *args: Any, **kwargs: Any) -> Any:  # the name the executor calls
+        process = self._ctx.Process(*args, **kwargs)
+        setattr(process, _worker.SLOT_ATTR, next(self._made))
+        return process
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._ctx, name)
 
 
 def _after_fork_in_child() -> None:

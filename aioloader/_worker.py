@@ -23,6 +23,7 @@ This module never imports asyncio.
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
 import random
 import signal
@@ -42,6 +43,7 @@ from .errors import CollateError, DatasetPickleError, add_note
 
 __all__ = [
     "NEED_PAYLOAD",
+    "SLOT_ATTR",
     "BatchResult",
     "BatchTask",
     "GroupResult",
@@ -55,6 +57,9 @@ __all__ = [
 ]
 
 NEED_PAYLOAD = "__aioloader_need_payload__"
+# The attribute of an owned pool's worker process object that holds its number in its
+# generation: its row of the slot table, its lane and its worker id.
+SLOT_ATTR = "_aioloader_slot"
 R = TypeVar("R")
 
 
@@ -190,8 +195,6 @@ def _run_init(ctx: WorkerContext) -> None:
 def pool_initializer(
     payloads: dict[str, bytes | _byvalue.Inherited],
     table: Any,
-    lock: Any,
-    counter: Any,
     max_slots: int,
     consumer_pid: int = 0,
     lanes: tuple[tuple[str, str], ...] | None = None,
@@ -220,11 +223,10 @@ def pool_initializer(
                 daemon=True,
             ).start()
         if table is not None:
-            with lock:
-                slot = counter.value
-                counter.value += 1
+            # Numbered by the consumer as it made this process (_generation._Numbered).
+            slot = getattr(multiprocessing.current_process(), SLOT_ATTR, -1)
             _worker_info.worker_id, _worker_info.num_workers = slot, max_slots
-            if slot < max_slots:  # always, with a fixed-size pool
+            if 0 <= slot < max_slots:  # always, with a fixed-size pool
                 _slots.claim(table, slot, os.getpid())
         for token, payload in payloads.items():
             try:

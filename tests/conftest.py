@@ -157,6 +157,27 @@ async def wait_until_async(cond: Callable[[], bool], timeout: float = 10.0, what
         await asyncio.sleep(0.005)
 
 
+# A test that runs into pytest-timeout's limit has hung. When the hang comes from state
+# the whole process shares (a forkserver, a lock of every pool), every later test hangs
+# too, each for the full limit: the run would outlast any CI budget and print nothing
+# useful. After this many, the session stops, and prints the hung tests' tracebacks.
+MAX_TIMEOUTS = 3
+_session: list[pytest.Session] = []
+_timeouts: list[str] = []
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    _session[:] = [session]
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if not report.failed or "Timeout (>" not in report.longreprtext:
+        return
+    _timeouts.append(report.nodeid)
+    if len(_timeouts) >= MAX_TIMEOUTS and _session:
+        _session[0].shouldstop = f"{len(_timeouts)} tests hung past the timeout: {', '.join(_timeouts)}"
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """``@pytest.mark.torch`` tests skip where torch is not installed, except on
     :data:`TORCH_REQUIRED_ON`, where they fail instead of passing silently."""

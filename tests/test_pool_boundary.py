@@ -239,6 +239,50 @@ def test_killing_an_idle_worker_charges_nobody(tmp_path: Path, face: str) -> Non
         assert loader.stats().restarts == 1
 
 
+class _DiesOnceAsItStarts:
+    """A worker_init_fn that records ``pid worker_id`` in ``directory``; the first worker
+    to run it (of any pool: an O_EXCL marker decides) SIGKILLs itself there, half-way
+    through starting."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def __call__(self, worker_id: int) -> None:
+        Path(self.directory, str(os.getpid())).write_text(str(worker_id))
+        try:
+            os.close(os.open(os.path.join(self.directory, "killed"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+@pytest.mark.parametrize("method", ["default", "fork"])
+def test_a_worker_killed_as_it_starts_leaves_later_pools_working(
+    tmp_path: Path, collect: Any, method: str
+) -> None:
+    """Regression: workers once claimed their row of the slot table under one lock per
+    start method for the whole process; a worker killed inside that section (a crash's
+    survivors are killed, so is a stuck start) left it held, and every later pool of
+    that start method waited for it for ever. Rows now come numbered with the process
+    object: a worker killed while it starts costs a restart, and each generation's
+    workers, and the next loader's, are numbered 0..n-1."""
+    ctx = _pool.default_mp_context() if method == "default" else "fork"
+    ids = tmp_path / "ids"
+    ids.mkdir()
+    init = _DiesOnceAsItStarts(str(ids))
+    expected = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    for round_ in range(2):
+        with aioloader.DataLoader(
+            RangeDataset(16), 4, num_workers=2, mp_context=ctx, worker_init_fn=init
+        ) as loader:
+            assert [b[1].tolist() for b in collect(loader)] == expected
+            pids = loader.worker_pids()
+            assert loader.stats().restarts == (1 if round_ == 0 else 0)
+        assert (ids / "killed").exists()
+        # The live generation's workers hold rows 0 and 1, one each.
+        assert sorted(int((ids / str(p)).read_text()) for p in pids) == [0, 1]
+
+
 def test_repeated_startup_deaths_end_in_a_clear_error(collect: Any) -> None:
     with aioloader.DataLoader(H.DiesOnArrival(8), 4, num_workers=1) as loader:
         with pytest.raises(aioloader.PoolBrokenError, match="before they finish starting") as info:
