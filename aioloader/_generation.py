@@ -115,6 +115,7 @@ class Generation:
     jobs: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
     lanes: _lanes.Lanes | None = None  # an owned process pool's way round its threads
     launcher: threading.Thread | None = None  # starting the workers of the lanes
+    launched_ns: int = 0  # time.monotonic_ns() when its workers were asked to start
 
     @classmethod
     def processes_of(
@@ -180,6 +181,7 @@ class Generation:
         (:meth:`_launch`) forks them. Without lanes (turned off, or no FIFOs here) it
         forks them all and gives each a first task, which starts the executor's
         manager thread."""
+        self.launched_ns = time.monotonic_ns()
         if self.lanes is None:
             self.launch()
             for _ in range(n):
@@ -248,6 +250,23 @@ class Generation:
         if self.deaths is not None:
             return self.deaths
         return {}, self.slots.snapshot() if self.slots is not None else {}
+
+    def kill_stuck_start(self, limit_ns: int) -> int | None:
+        """SIGKILL a worker of this owned process pool that has not finished starting
+        (its row of the slot table is still ``STARTING``, or it has none yet) ``limit_ns``
+        after the workers were asked to start: its ``worker_init_fn``, the unpickling of a
+        dataset, or an import hangs. Returns its pid, or ``None`` if all started."""
+        if self.slots is None or self.processes is None or self.broken or not self.launched_ns:
+            return None
+        if time.monotonic_ns() - self.launched_ns <= limit_ns:
+            return None
+        rows = self.slots.snapshot()
+        for pid, process in list(self.processes.items()):
+            if rows.get(pid, (Slots.STARTING,))[0] == Slots.STARTING:
+                with contextlib.suppress(ValueError, OSError):  # a closed Process object; gone
+                    process.kill()
+                return pid
+        return None
 
     def pids(self) -> list[int]:
         self.launched()

@@ -197,6 +197,47 @@ def test_hung_sample_times_out_and_loader_recovers(collect, tmp_path: Path) -> N
         ]
 
 
+class _StartHangsOnce:
+    """A worker_init_fn: the first worker to run it (an O_EXCL marker decides) never
+    returns from it; the others, and every later start, return at once."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __call__(self, worker_id: int) -> None:
+        try:
+            os.close(os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return
+        threading.Event().wait()  # until the pool kills this worker
+
+
+def test_a_worker_stuck_in_its_start_times_out_and_the_loader_recovers(
+    collect, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker whose worker_init_fn never returns held its lane's batches for ever,
+    whatever the timeout: a batch's clock starts only when a worker starts it. A start
+    is given max(timeout, START_FLOOR_S); the floor is lifted here."""
+    from aioloader._engine import dispatch
+
+    monkeypatch.setattr(dispatch, "START_FLOOR_S", 0.0)
+    marker = tmp_path / "stuck"
+    with aioloader.DataLoader(
+        RangeDataset(16), 4, num_workers=2, timeout=3.0, worker_init_fn=_StartHangsOnce(str(marker))
+    ) as loader:
+        with pytest.raises(aioloader.LoaderTimeout, match="had not finished starting") as info:
+            collect(loader)
+        assert marker.exists()
+        assert "worker_init_fn" in str(info.value) and info.value.indices
+        assert [b[1].tolist() for b in collect(loader)] == [
+            [0, 1, 2, 3],
+            [4, 5, 6, 7],
+            [8, 9, 10, 11],
+            [12, 13, 14, 15],
+        ]
+        assert loader.stats().restarts >= 1
+
+
 def test_timeout_in_thread_mode(collect, tmp_path: Path) -> None:
     # A thread cannot be killed: the batch fails with LoaderTimeout and the stuck thread
     # is abandoned; it ends when its sample returns (here: when the test releases it).

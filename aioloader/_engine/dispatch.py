@@ -25,6 +25,10 @@ from ..errors import LoaderClosedError, LoaderTimeout, WorkerCrashedError
 __all__ = ["Dispatcher", "Named", "Raised", "Split", "cancelling"]
 
 _task_ids = itertools.count(1)
+# A worker that has not finished starting max(timeout, this) after its pool was asked to
+# start is stuck there (a worker_init_fn that never returns, a hung import): a start
+# may take a few seconds (a spawned interpreter importing torch) where a batch does not.
+START_FLOOR_S = 30.0
 
 
 class Raised:
@@ -67,6 +71,7 @@ class Dispatcher:
     stopping: bool = False
     _running: dict[int, Job] = field(default_factory=dict)
     _timed_out: dict[int, str] = field(default_factory=dict)  # task id -> what the pool did about it
+    _stuck_starts: set[int] = field(default_factory=set)  # of those, the ones no worker could start
     _watchdog: asyncio.Task[None] | None = None
     _starting: asyncio.Future[Any] | None = None  # the one pool.start every waiting task shares
 
@@ -135,7 +140,7 @@ class Dispatcher:
                 if split and (task_id in self._timed_out or task_id in info.charged):
                     raise Split from None
                 if task_id in self._timed_out:
-                    raise self._timeout_error(named, self._timed_out[task_id]) from None
+                    raise self._timeout_error(named, self._timed_out[task_id], task_id) from None
                 if task_id in info.charged:
                     attempts += 1
                     if attempts > self.max_retries:
@@ -156,6 +161,7 @@ class Dispatcher:
             finally:
                 self._running.pop(task_id, None)
                 self._timed_out.pop(task_id, None)
+                self._stuck_starts.discard(task_id)
             if isinstance(res, str) and res == _worker.NEED_PAYLOAD:
                 with_payload = True
                 self.recorder.retries += 1
@@ -163,11 +169,15 @@ class Dispatcher:
             self.recorder.finished(res.pid, res.start_ns, res.end_ns, submit_ns, time.monotonic_ns(), named)
             return res
 
-    def _timeout_error(self, named: Named, how: str) -> LoaderTimeout:
+    def _timeout_error(self, named: Named, how: str, task_id: int) -> LoaderTimeout:
         t, indices = self.timeout, named.indices
-        since = "of a worker starting it" if self.watch else "of being due"
+        if task_id in self._stuck_starts:
+            what = f"{_name(named)} was not delivered: {how}"
+        else:
+            since = "of a worker starting it" if self.watch else "of being due"
+            what = f"{_name(named)} was not delivered within timeout={t} s {since}; {how}"
         return LoaderTimeout(
-            f"{_name(named)} was not delivered within timeout={t} s {since}; {how}",
+            what,
             indices=_as_list(indices),
             timeout=t,
         )
@@ -176,8 +186,10 @@ class Dispatcher:
         pool = self.pool
         period = min(0.05, timeout / 4)
         limit = int(timeout * 1e9)
+        start_limit = max(timeout, START_FLOOR_S)
         while True:
             await asyncio.sleep(period)
+            self._expire_stuck_start(start_limit)
             now = time.monotonic_ns()
             for task_id, job in list(self._running.items()):
                 if task_id in self._timed_out:
@@ -186,6 +198,24 @@ class Dispatcher:
                 if started is None or now - started <= limit:
                     continue
                 await self.expire(task_id)
+
+    def _expire_stuck_start(self, limit: float) -> None:
+        """A worker of the live generation still starting ``limit`` seconds after the
+        pool was asked to start is killed; the tasks that were waiting for a worker
+        then raise :class:`~aioloader.LoaderTimeout` (the next iteration starts afresh)."""
+        gen = self.pool.started_generation()
+        pid = gen.kill_stuck_start(int(limit * 1e9)) if gen is not None else None
+        if pid is None:
+            return
+        how = (
+            f"worker pid {pid} had not finished starting {limit:g} s after the pool started "
+            f"(a start may take max(timeout, {START_FLOOR_S:g} s)): its worker_init_fn, the "
+            "unpickling of the dataset or an import did not return; it was killed and the pool rebuilt"
+        )
+        for task_id, job in self._running.items():
+            if job.gen is gen and task_id not in self._timed_out and self.pool.started_at(job) is None:
+                self._timed_out[task_id] = how
+                self._stuck_starts.add(task_id)
 
     async def expire(self, task_id: int) -> bool:
         """Stop running task ``task_id`` for overrunning the timeout: its :meth:`run`
