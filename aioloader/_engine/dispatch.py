@@ -203,7 +203,10 @@ class Dispatcher:
         """A worker of the live generation still starting ``limit`` seconds after the
         pool was asked to start is killed; the tasks that were waiting for a worker
         then raise :class:`~aioloader.LoaderTimeout` (the next iteration starts afresh)."""
-        gen = self.pool.started_generation()
+        try:
+            gen = self.pool.started_generation()
+        except LoaderClosedError:  # its tasks end with that error
+            return
         pid = gen.kill_stuck_start(int(limit * 1e9)) if gen is not None else None
         if pid is None:
             return
