@@ -116,6 +116,7 @@ class Generation:
     lanes: _lanes.Lanes | None = None  # an owned process pool's way round its threads
     launcher: threading.Thread | None = None  # starting the workers of the lanes
     launched_ns: int = 0  # time.monotonic_ns() when its workers were asked to start
+    started_all: bool = False  # every worker was seen past its start
 
     @classmethod
     def processes_of(
@@ -251,21 +252,26 @@ class Generation:
             return self.deaths
         return {}, self.slots.snapshot() if self.slots is not None else {}
 
-    def kill_stuck_start(self, limit_ns: int) -> int | None:
+    def kill_stuck_start(self, limit_ns: int) -> tuple[int, list[cf.Future[Any]]] | None:
         """SIGKILL a worker of this owned process pool that has not finished starting
         (its row of the slot table is still ``STARTING``, or it has none yet) ``limit_ns``
         after the workers were asked to start: its ``worker_init_fn``, the unpickling of a
-        dataset, or an import hangs. Returns its pid, or ``None`` if all started."""
-        if self.slots is None or self.processes is None or self.broken or not self.launched_ns:
+        dataset, or an import hangs. Returns its pid and the futures of the tasks sent on
+        its lane, which no other worker can take (none without lanes: a worker that never
+        starts holds no task then); ``None`` while every worker has started or may still."""
+        if self.started_all or self.slots is None or self.processes is None or self.broken:
             return None
-        if time.monotonic_ns() - self.launched_ns <= limit_ns:
+        if not self.launched_ns or time.monotonic_ns() - self.launched_ns <= limit_ns:
             return None
         rows = self.slots.snapshot()
-        for pid, process in list(self.processes.items()):
+        procs = list(self.processes.items())
+        for pid, process in procs:
             if rows.get(pid, (Slots.STARTING,))[0] == Slots.STARTING:
                 with contextlib.suppress(ValueError, OSError):  # a closed Process object; gone
                     process.kill()
-                return pid
+                slot = getattr(process, _worker.SLOT_ATTR, -1)
+                return pid, self.lanes.unanswered(slot) if self.lanes is not None else []
+        self.started_all = len(procs) >= len(self.slots.rows)
         return None
 
     def pids(self) -> list[int]:
@@ -406,16 +412,11 @@ def _retire_at_child_exit() -> None:
 
 
 class _Numbered:
-    """The start-method context the executor of one generation is given: each process
-    it makes carries its number in the generation (``0 .. n-1`` in the order the
-    executor creates them), which is the worker's row of the slot table and its lane.
-
-    The number travels with the process object, pickled for a forkserver or spawn
-    start and inherited by a fork, so a worker knows it with nothing to share: no
-    lock and counter that every worker takes as it starts. A worker killed in such a
-    section (a crash's survivors are killed, a stuck start is killed) would leave the
-    lock held for good, and with one lock per start method for the whole process
-    every later pool's workers would wait on it for ever."""
+    """The context a generation's executor is given: each process it makes carries its
+    number (``0 .. n-1``, in the order made), the worker's row of the slot table and its
+    lane. It travels with the process object (pickled, or inherited by a fork), so no
+    worker takes a shared lock as it starts: one killed holding it (a crash's survivors,
+    a stuck start) would leave it held, and every later pool waiting on it for ever."""
 
     def __init__(self, ctx: BaseContext) -> None:
         self._ctx: Any = ctx  # one of multiprocessing's contexts (the base type has no Process)
@@ -427,6 +428,8 @@ class _Numbered:
         return process
 
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in ("_ctx", "_made"):  # copy and pickle look before __init__
+            raise AttributeError(name)
         return getattr(self._ctx, name)
 
 

@@ -210,6 +210,11 @@ class Lanes:
         self._turn += 1
         return best
 
+    def unanswered(self, slot: int) -> list[cf.Future[Any]]:
+        """The futures of the tasks sent on lane ``slot`` and not answered yet."""
+        with self._lock:
+            return [f for f, _ in self._lanes[slot].sent] if 0 <= slot < len(self._lanes) else []
+
     def loads(self) -> list[int]:
         """Unanswered tasks on each lane (tests, diagnostics)."""
         with self._lock:

@@ -141,6 +141,31 @@ class ShardedRange(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
             yield torch.tensor([float(i)]), i
 
 
+class HangsOnceUnpickled(ShardedRange):
+    """``ShardedRange(n)`` whose first unpickling outside the process that made it (an
+    O_EXCL marker decides) never returns: a worker stuck in its start."""
+
+    def __init__(self, n: int, marker: str) -> None:
+        import os
+
+        super().__init__(n)
+        self.hang_marker = marker
+        self.home = os.getpid()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        import os
+        import threading
+
+        self.__dict__.update(state)
+        if os.getpid() == self.home:
+            return
+        try:
+            os.close(os.open(self.hang_marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return
+        threading.Event().wait()  # until the pool kills this worker
+
+
 class WorkerReport(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
     """Each worker yields ``per_worker`` samples describing itself: torch's worker info
     and a draw from each global generator."""

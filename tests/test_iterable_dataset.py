@@ -15,12 +15,14 @@ from typing import Any
 import pytest
 
 import aioloader
+from aioloader import _lanes
+from aioloader._engine import dispatch
 
 pytestmark = pytest.mark.torch
 
 torch = pytest.importorskip("torch")
 
-from ._torch_datasets import ShardedRange, WorkerReport, record_init  # noqa: E402
+from ._torch_datasets import HangsOnceUnpickled, ShardedRange, WorkerReport, record_init  # noqa: E402
 from .conftest import _collect_async, _collect_sync, wait_until  # noqa: E402
 
 
@@ -198,6 +200,25 @@ def test_timeout_stops_a_stuck_worker_and_names_the_batch() -> None:
             for b in loader:
                 got.append(b)
     assert labels(got) == [[0, 2], [1, 3]]
+
+
+@pytest.mark.skipif(not _lanes.enabled(), reason="without lanes a worker that never starts holds no shard")
+def test_a_worker_stuck_unpickling_the_dataset_times_out(
+    collect: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker stuck in its start (here: unpickling the dataset) holds the shard sent to
+    it; with a timeout it is killed after max(timeout, START_FLOOR_S) (the floor lifted
+    here) and the shard's batches raise LoaderTimeout; the next epoch is whole."""
+    monkeypatch.setattr(dispatch, "START_FLOOR_S", 0.0)
+    marker = tmp_path / "stuck"
+    with aioloader.DataLoader(
+        HangsOnceUnpickled(12, str(marker)), batch_size=2, num_workers=2, timeout=3.0
+    ) as loader:
+        with pytest.raises(aioloader.LoaderTimeout, match="had not finished starting"):
+            collect(loader)
+        assert marker.exists()
+        got = sorted(i for b in collect(loader) for i in b[1].tolist())
+        assert got == list(range(12))
 
 
 def test_the_window_bounds_the_batches_built(tmp_path: Path) -> None:

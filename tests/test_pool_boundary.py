@@ -10,6 +10,7 @@ the interpreter from exiting.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures as cf
 import errno
 import gc
 import json
@@ -281,6 +282,28 @@ def test_a_worker_killed_as_it_starts_leaves_later_pools_working(
         assert (ids / "killed").exists()
         # The live generation's workers hold rows 0 and 1, one each.
         assert sorted(int((ids / str(p)).read_text()) for p in pids) == [0, 1]
+
+
+def test_workers_share_no_lock_with_other_generations() -> None:
+    """What the regression above guards, where no kill can be aimed: a semaphore that
+    every worker takes as it starts, held by a worker that is killed, stops every pool
+    that shares it. Nothing a worker is given at its start is one."""
+    from multiprocessing.synchronize import SemLock
+
+    def locks(value: Any) -> list[Any]:
+        if isinstance(value, SemLock):
+            return [value]
+        if isinstance(value, (tuple, list)):
+            return [lock for v in value for lock in locks(v)]
+        if isinstance(value, dict):
+            return [lock for v in value.values() for lock in locks(v)]
+        return []
+
+    with aioloader.WorkerPool(2) as pool:
+        pool.start()
+        executor = pool.current().executor
+        assert isinstance(executor, cf.ProcessPoolExecutor)
+        assert not locks(executor._initargs)  # type: ignore[attr-defined]
 
 
 def test_repeated_startup_deaths_end_in_a_clear_error(collect: Any) -> None:

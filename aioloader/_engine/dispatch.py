@@ -186,10 +186,9 @@ class Dispatcher:
         pool = self.pool
         period = min(0.05, timeout / 4)
         limit = int(timeout * 1e9)
-        start_limit = max(timeout, START_FLOOR_S)
         while True:
             await asyncio.sleep(period)
-            self._expire_stuck_start(start_limit)
+            self.expire_stuck_start()
             now = time.monotonic_ns()
             for task_id, job in list(self._running.items()):
                 if task_id in self._timed_out:
@@ -199,24 +198,30 @@ class Dispatcher:
                     continue
                 await self.expire(task_id)
 
-    def _expire_stuck_start(self, limit: float) -> None:
-        """A worker of the live generation still starting ``limit`` seconds after the
-        pool was asked to start is killed; the tasks that were waiting for a worker
-        then raise :class:`~aioloader.LoaderTimeout` (the next iteration starts afresh)."""
+    def expire_stuck_start(self) -> None:
+        """A worker of the live generation still starting max(timeout, START_FLOOR_S)
+        seconds after the pool was asked to start is killed; the tasks sent on its lane then raise
+        :class:`~aioloader.LoaderTimeout` (the others are retried, and the next
+        iteration starts afresh). Also for callers that time their tasks themselves."""
+        if self.timeout is None:
+            return
+        limit = max(self.timeout, START_FLOOR_S)
         try:
             gen = self.pool.started_generation()
+            stuck = gen.kill_stuck_start(int(limit * 1e9)) if gen is not None else None
         except LoaderClosedError:  # its tasks end with that error
             return
-        pid = gen.kill_stuck_start(int(limit * 1e9)) if gen is not None else None
-        if pid is None:
+        if stuck is None:
             return
+        pid, futures = stuck
         how = (
             f"worker pid {pid} had not finished starting {limit:g} s after the pool started "
             f"(a start may take max(timeout, {START_FLOOR_S:g} s)): its worker_init_fn, the "
             "unpickling of the dataset or an import did not return; it was killed and the pool rebuilt"
         )
+        held = {id(f) for f in futures}
         for task_id, job in self._running.items():
-            if job.gen is gen and task_id not in self._timed_out and self.pool.started_at(job) is None:
+            if id(job.future) in held and task_id not in self._timed_out:
                 self._timed_out[task_id] = how
                 self._stuck_starts.add(task_id)
 

@@ -292,6 +292,7 @@ class ShardSource:
         limit = int(timeout * 1e9)
         while True:
             await asyncio.sleep(min(0.05, timeout / 4))
+            self.dispatcher.expire_stuck_start()
             now = time.monotonic_ns()
             for sh in self.shards:
                 since = sh.owing_since
