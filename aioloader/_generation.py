@@ -21,8 +21,7 @@ processes a pool runs, which one died, or stop a stuck worker:
 ``ProcessPoolExecutor._processes``                 worker pids, exit codes at a break, killing
 ``ProcessPoolExecutor._executor_manager_thread``   is a callback in it; joining it when retired
 ``ProcessPoolExecutor._launch_processes``          forking every worker, before any task
-``ProcessPoolExecutor``'s ``Process`` calls on its   numbering its workers (see :class:`_Numbered`)
-context
+``ProcessPoolExecutor``'s calls of ``Process``      numbering its workers (see :class:`_Numbered`)
 ``ProcessPoolExecutor._max_workers``,              concurrency of a borrowed executor
 ``ThreadPoolExecutor._max_workers``
 ``ThreadPoolExecutor._threads``,                   letting interpreter exit pass an abandoned,

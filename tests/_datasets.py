@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,21 @@ from typing import Any
 import numpy as np
 
 import aioloader
+
+
+def first_to_claim(marker: str) -> bool:
+    """Whether this call made ``marker`` (``O_EXCL``): of every process that tries, one wins."""
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
+def wait_to_be_killed(bound: float) -> None:
+    """Block until the test kills this process; the bound only turns a broken test's
+    hang into a failure."""
+    threading.Event().wait(bound)
 
 
 class RangeDataset:
@@ -139,8 +155,7 @@ class HangDataset(RangeDataset):
         if i == self.hang_at and (self.marker is None or not os.path.exists(self.marker)):
             if self.marker is not None:
                 Path(self.marker).touch()
-            while True:
-                time.sleep(3600)  # a stuck sample: only a kill ends it
+            threading.Event().wait()  # a stuck sample: only a kill ends it
         return super().__getitem__(i)
 
 
@@ -236,9 +251,7 @@ class KillableDataset(RangeDataset):
             with open(tmp, "w") as f:
                 f.write(str(os.getpid()))
             os.replace(tmp, self.marker)  # the test sees the whole pid or nothing
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
-                time.sleep(0.01)  # waiting to be killed by the test, not synchronising
+            wait_to_be_killed(60)
             raise RuntimeError(f"worker {os.getpid()} holding sample {i} was never killed")
         return super().__getitem__(i)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 import zlib
 from collections import OrderedDict, namedtuple
 from collections.abc import Mapping, Sequence
@@ -14,6 +13,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from aioloader import _shm
+
+from ._datasets import wait_to_be_killed
 
 
 class Meta(NamedTuple):
@@ -93,10 +94,7 @@ class Bomb:
             return (str, ("bomb",))
         with os.fdopen(fd, "w") as f:
             f.write(str(os.getpid()))
-        # Wait to be killed. Bounded, so that a broken test cannot hang forever.
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_to_be_killed(120)
         return (str, ("bomb",))
 
 

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._datasets import RangeDataset
+from ._datasets import RangeDataset, first_to_claim, wait_to_be_killed
 
 
 class TorchAugmentedDataset(RangeDataset):
@@ -154,16 +154,10 @@ class HangsOnceUnpickled(ShardedRange):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         import os
-        import threading
 
         self.__dict__.update(state)
-        if os.getpid() == self.home:
-            return
-        try:
-            os.close(os.open(self.hang_marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        except FileExistsError:
-            return
-        threading.Event().wait()  # until the pool kills this worker
+        if os.getpid() != self.home and first_to_claim(self.hang_marker):
+            wait_to_be_killed(120)  # the pool kills it long before
 
 
 class WorkerReport(torch.utils.data.IterableDataset):  # type: ignore[type-arg]

@@ -28,6 +28,8 @@ from ._datasets import (
     UnpicklableErrorDataset,
     failing_collate,
     failing_init,
+    first_to_claim,
+    wait_to_be_killed,
 )
 from .conftest import ctrl_c, descendant_workers, shm_entries, wait_until, wait_until_async
 
@@ -205,11 +207,8 @@ class _StartHangsOnce:
         self.marker = marker
 
     def __call__(self, worker_id: int) -> None:
-        try:
-            os.close(os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        except FileExistsError:
-            return
-        threading.Event().wait()  # until the pool kills this worker
+        if first_to_claim(self.marker):
+            wait_to_be_killed(120)  # the pool kills it long before
 
 
 @pytest.mark.skipif(

@@ -32,7 +32,7 @@ import aioloader
 from aioloader import _pool, _reply, _shm
 
 from . import _pool_helpers as H
-from ._datasets import KillableDataset, RangeDataset
+from ._datasets import KillableDataset, RangeDataset, first_to_claim
 from .conftest import wait_until
 
 REPO = Path(__file__).resolve().parents[1]
@@ -250,11 +250,8 @@ class _DiesOnceAsItStarts:
 
     def __call__(self, worker_id: int) -> None:
         Path(self.directory, str(os.getpid())).write_text(str(worker_id))
-        try:
-            os.close(os.open(os.path.join(self.directory, "killed"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        except FileExistsError:
-            return
-        os.kill(os.getpid(), signal.SIGKILL)
+        if first_to_claim(os.path.join(self.directory, "killed")):
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 @pytest.mark.parametrize("method", ["default", "fork"])

@@ -70,8 +70,8 @@ class Dispatcher:
     watch: bool = True  # False: the caller times its tasks itself (see expire)
     stopping: bool = False
     _running: dict[int, Job] = field(default_factory=dict)
-    _timed_out: dict[int, str] = field(default_factory=dict)  # task id -> what the pool did about it
-    _stuck_starts: set[int] = field(default_factory=set)  # of those, the ones no worker could start
+    # task id -> why it was not delivered (the end of its LoaderTimeout's message)
+    _timed_out: dict[int, str] = field(default_factory=dict)
     _watchdog: asyncio.Task[None] | None = None
     _starting: asyncio.Future[Any] | None = None  # the one pool.start every waiting task shares
 
@@ -140,7 +140,7 @@ class Dispatcher:
                 if split and (task_id in self._timed_out or task_id in info.charged):
                     raise Split from None
                 if task_id in self._timed_out:
-                    raise self._timeout_error(named, self._timed_out[task_id], task_id) from None
+                    raise self._timeout_error(named, self._timed_out[task_id]) from None
                 if task_id in info.charged:
                     attempts += 1
                     if attempts > self.max_retries:
@@ -161,7 +161,6 @@ class Dispatcher:
             finally:
                 self._running.pop(task_id, None)
                 self._timed_out.pop(task_id, None)
-                self._stuck_starts.discard(task_id)
             if isinstance(res, str) and res == _worker.NEED_PAYLOAD:
                 with_payload = True
                 self.recorder.retries += 1
@@ -169,18 +168,14 @@ class Dispatcher:
             self.recorder.finished(res.pid, res.start_ns, res.end_ns, submit_ns, time.monotonic_ns(), named)
             return res
 
-    def _timeout_error(self, named: Named, how: str, task_id: int) -> LoaderTimeout:
-        t, indices = self.timeout, named.indices
-        if task_id in self._stuck_starts:
-            what = f"{_name(named)} was not delivered: {how}"
-        else:
-            since = "of a worker starting it" if self.watch else "of being due"
-            what = f"{_name(named)} was not delivered within timeout={t} s {since}; {how}"
+    def _timeout_error(self, named: Named, why: str) -> LoaderTimeout:
         return LoaderTimeout(
-            what,
-            indices=_as_list(indices),
-            timeout=t,
+            f"{_name(named)} was not delivered {why}", indices=_as_list(named.indices), timeout=self.timeout
         )
+
+    def _overran(self, how: str) -> str:
+        since = "of a worker starting it" if self.watch else "of being due"
+        return f"within timeout={self.timeout} s {since}; {how}"
 
     async def _watch(self, timeout: float) -> None:
         pool = self.pool
@@ -214,16 +209,15 @@ class Dispatcher:
         if stuck is None:
             return
         pid, futures = stuck
-        how = (
-            f"worker pid {pid} had not finished starting {limit:g} s after the pool started "
+        why = (
+            f"because worker pid {pid} had not finished starting {limit:g} s after the pool started "
             f"(a start may take max(timeout, {START_FLOOR_S:g} s)): its worker_init_fn, the "
             "unpickling of the dataset or an import did not return; it was killed and the pool rebuilt"
         )
         held = {id(f) for f in futures}
         for task_id, job in self._running.items():
             if id(job.future) in held and task_id not in self._timed_out:
-                self._timed_out[task_id] = how
-                self._stuck_starts.add(task_id)
+                self._timed_out[task_id] = why
 
     async def expire(self, task_id: int) -> bool:
         """Stop running task ``task_id`` for overrunning the timeout: its :meth:`run`
@@ -232,12 +226,12 @@ class Dispatcher:
         job = self._running.get(task_id)
         if job is None or task_id in self._timed_out:
             return False
-        self._timed_out[task_id] = "the pool stopped it"
+        self._timed_out[task_id] = self._overran("the pool stopped it")
         how = await asyncio.get_running_loop().run_in_executor(None, self.pool.stop, job)
         if how is None:  # it finished between our look and the stop: no timeout
             self._timed_out.pop(task_id, None)
             return False
-        self._timed_out[task_id] = how
+        self._timed_out[task_id] = self._overran(how)
         return True
 
 
