@@ -214,6 +214,16 @@ class LoaderBase:
                 self._pool.register(self._token, payload)
             self._state = Lifecycle.OPEN
 
+    def _prepare_now(self) -> None:
+        """:meth:`_prepare` from a constructor (the stream faces: what ``fn`` and
+        ``collate_fn`` need must reach the workers, so a bad one fails here, not at the
+        first item); a failure frees what :meth:`_setup` made before it propagates."""
+        try:
+            self._prepare()
+        except BaseException:
+            self._finalizer()
+            raise
+
     async def _open(self) -> None:
         """Before a pass begins: the loader must not be closed, and is made OPEN (the
         payload pickled off the caller's loop) if it is still NEW."""

@@ -167,14 +167,9 @@ class Batcher(LoaderBase, Generic[Batch]):
         self.timeout = check_seconds("timeout", timeout, allow_zero=False)
         self.max_retries = check_int("max_retries", max_retries, 0)
         self._setup(
-            num_workers=num_workers,
-            mp_context=mp_context,
-            pool=pool,
-            executor=executor,
-            prefetch=prefetch,
-            transport="pickle",
-            trace=trace,
-        )
+            num_workers=num_workers, mp_context=mp_context, pool=pool, executor=executor,
+            prefetch=prefetch, transport="pickle", trace=trace,
+        )  # fmt: skip
         if prefetch is None:
             self.prefetch = self._pool.concurrency + 1
         self._counters = ServeCounters()
@@ -182,11 +177,7 @@ class Batcher(LoaderBase, Generic[Batch]):
         self._queue: RequestQueue | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._deliverer: asyncio.Task[None] | None = None
-        try:
-            self._prepare()
-        except BaseException:
-            self._finalizer()
-            raise
+        self._prepare_now()
 
     # -------------------------------------------------------------------- payload
     def _worker_context(self) -> StreamContext:

@@ -178,22 +178,13 @@ class StreamLoader(IterableLoader, Generic[Batch]):
         self.max_retries = max_retries
         self.timeout = timeout
         self._setup(
-            num_workers=num_workers,
-            mp_context=mp_context,
-            pool=pool,
-            executor=executor,
-            prefetch=prefetch,
-            transport="pickle",
-            trace=trace,
-        )
+            num_workers=num_workers, mp_context=mp_context, pool=pool, executor=executor,
+            prefetch=prefetch, transport="pickle", trace=trace,
+        )  # fmt: skip
         self._inline_ctx: StreamContext | None = None
         self._active: Run | None = None
         self._iterations = 0
-        try:
-            self._prepare()  # fn and collate_fn must reach the workers: fail here, not later
-        except BaseException:
-            self._finalizer()
-            raise
+        self._prepare_now()
 
     # -------------------------------------------------------------------- payload
     def _worker_context(self) -> StreamContext:

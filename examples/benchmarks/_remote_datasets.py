@@ -15,6 +15,7 @@ from typing import Any
 
 __all__ = [
     "HttpFetch",
+    "MemoryFetch",
     "RawHttpFetch",
     "S3Fetch",
     "TorchHttpJpegs",
@@ -119,6 +120,30 @@ class RawHttpFetch:
     async def aclose(self) -> None:
         for _reader, writer in self.pools.pop(asyncio.get_running_loop(), []):
             writer.close()
+
+
+class MemoryFetch:
+    """``await fetch((path, label))`` -> ``(bytes, label)`` with no network at all: the
+    JPEGs are read into the main process once, and each fetch waits ``latency_ms`` on the
+    loop before it hands over its bytes.
+
+    Not a way to load data; it measures what the loader's own fetch path (the fetch stage,
+    the window, carrying the bytes to a worker) costs on top of local files, without an
+    HTTP client or server on the same cores.
+    """
+
+    def __init__(self, root: str, latency_ms: float) -> None:
+        self.root = Path(root)
+        self.delay = latency_ms / 1000
+        self.blobs: dict[str, bytes] = {}
+
+    async def __call__(self, item: tuple[str, int]) -> tuple[bytes, int]:
+        path, label = item
+        if not self.blobs:
+            self.blobs = {p: (self.root / p.lstrip("/")).read_bytes() for p, _ in jpeg_items(str(self.root))}
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        return self.blobs[path], label
 
 
 class TorchHttpJpegs:

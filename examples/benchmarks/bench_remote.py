@@ -51,9 +51,11 @@ from bench_suite import _cpu_by_thread, _thread_cpu, _thread_names  # noqa: E402
 
 CONTENDERS = ("torch-2", "torch-16", "aioloader-fetch", "aioloader-local")
 # Not in the default run: aioloader-fetch on a minimal asyncio-streams client, to tell
-# aiohttp's share of the main process's CPU time from the loader's.
-EXTRA = ("aioloader-fetch-raw",)
-FETCHERS = ("aioloader-fetch", "aioloader-fetch-raw")
+# aiohttp's share of the main process's CPU time from the loader's; and on an in-memory
+# source with the same added latency (no client, no server), to tell the loader's own
+# fetch path from the HTTP traffic's.
+EXTRA = ("aioloader-fetch-raw", "aioloader-fetch-mem")
+FETCHERS = ("aioloader-fetch", "aioloader-fetch-raw", "aioloader-fetch-mem")
 TORCH_WORKERS = {"torch-2": 2, "torch-16": 16}
 LOCAL = "aioloader-local"
 AIO_WORKERS = 2
@@ -86,8 +88,10 @@ def _make_loader(spec: dict[str, Any]) -> Any:
         return aioloader.DataLoader(
             bd.jpeg_dataset(spec["root"]), bs, shuffle=True, num_workers=AIO_WORKERS, seed=0
         )
-    if s3:
-        fetch: Any = rd.S3Fetch(s3["url"], s3["options"])
+    if kind == "aioloader-fetch-mem":  # no server: the loader's own fetch path alone
+        fetch: Any = rd.MemoryFetch(spec["root"], spec["latency_ms"])
+    elif s3:
+        fetch = rd.S3Fetch(s3["url"], s3["options"])
     else:
         client = rd.RawHttpFetch if kind == "aioloader-fetch-raw" else rd.HttpFetch
         fetch = client(f"http://127.0.0.1:{spec['port']}", spec["latency_ms"])
@@ -408,6 +412,7 @@ def draw_png(rows: dict[str, dict[str, Any]], latencies: list[float], path: Path
     colors = {
         "aioloader-fetch": "#2a7ab0",
         "aioloader-fetch-raw": "#7fb3d5",
+        "aioloader-fetch-mem": "#9bc59d",
         "torch-2": "#f2c14e",
         "torch-16": "#e08a2c",
     }
