@@ -34,7 +34,7 @@ from typing import Any, ClassVar, Protocol, TypeVar
 from . import _worker
 from ._cpus import available_cpus
 from ._engine.run import Run
-from ._engine.units import Delivery, closed_while_iterating
+from ._engine.units import Delivery, RunConfig, closed_while_iterating
 from ._payload import pickle_for_workers
 from ._pool import WorkerPool
 from ._portal import END, Feed, Portal
@@ -105,6 +105,8 @@ class LoaderBase:
 
     _kind: ClassVar[str] = "loader"
     _portal_name: ClassVar[str] = "aioloader-portal"
+    timeout: float | None  # set by each face before its first run
+    max_retries: int
 
     def _setup(
         self,
@@ -213,6 +215,16 @@ class LoaderBase:
                 rec.shared_bytes = segment.size if segment is not None else 0
                 self._pool.register(self._token, payload)
             self._state = Lifecycle.OPEN
+
+    def _config(self, *, ordered: bool, **face: Any) -> RunConfig:
+        """What a run of this face takes from it: the pool, the window, retries and
+        timeouts, decoding, statistics and the lifecycle, which every face has, and in
+        ``face`` what only some have (``fetch``, ``group``, ``fail_fast``)."""
+        return RunConfig(
+            kind=self._kind, pool=self._pool, prefetch=self.prefetch, ordered=ordered, timeout=self.timeout,
+            max_retries=self.max_retries, decode=self._transport.decode, recorder=self._recorder,
+            is_closed=self._shared.is_closed, **face,
+        )  # fmt: skip
 
     def _prepare_now(self) -> None:
         """:meth:`_prepare` from a constructor (the stream faces: what ``fn`` and

@@ -413,11 +413,7 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
             return p if self._pin is None else PinningPass(p, self._pin)
 
     def _run_config(self) -> RunConfig:
-        return RunConfig(
-            kind="DataLoader", pool=self._pool, prefetch=self.prefetch, ordered=self.ordered, timeout=self.timeout,
-            max_retries=self.max_retries, decode=self._transport.decode, recorder=self._recorder,
-            is_closed=self._shared.is_closed, fetch=self._fetch, group=self._group,
-        )  # fmt: skip
+        return self._config(ordered=self.ordered, fetch=self._fetch, group=self._group)
 
     def _end_pass(self, p: EpochPass) -> bool:
         """Called when pass ``p`` ends: park its run if it went on into the epoch the

@@ -220,18 +220,8 @@ class Batcher(LoaderBase, Generic[Batch]):
             return queue
 
     def _run_config(self) -> RunConfig:
-        return RunConfig(
-            kind="Batcher",
-            pool=self._pool,
-            prefetch=self.prefetch,
-            ordered=False,  # each result goes out as soon as it is ready
-            timeout=self.timeout,
-            max_retries=self.max_retries,
-            decode=self._transport.decode,
-            recorder=self._recorder,
-            is_closed=self._shared.is_closed,
-            fail_fast=False,  # a micro-batch's error fails its own requests only
-        )
+        # each result goes out as soon as it is ready; a micro-batch's error fails its own requests only
+        return self._config(ordered=False, fail_fast=False)
 
     async def _start_async(self) -> None:
         self._start_here()

@@ -229,18 +229,7 @@ class StreamLoader(IterableLoader, Generic[Batch]):
         return p
 
     def _run_config(self) -> RunConfig:
-        return RunConfig(
-            kind="StreamLoader",
-            pool=self._pool,
-            prefetch=self.prefetch,
-            ordered=self.ordered,
-            timeout=self.timeout,
-            max_retries=self.max_retries,
-            decode=self._transport.decode,
-            recorder=self._recorder,
-            is_closed=self._shared.is_closed,
-            fetch=self._fetch,
-        )
+        return self._config(ordered=self.ordered, fetch=self._fetch)
 
     def __aiter__(self) -> AsyncIterator[Batch]:
         return super().__aiter__()

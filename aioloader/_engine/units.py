@@ -56,7 +56,7 @@ class RunConfig:
     """What a run needs from its facade (never the facade itself: a loader dropped
     while work is pending must be collectable at once)."""
 
-    kind: str  # "DataLoader" or "StreamLoader", for messages
+    kind: str  # the face ("DataLoader", "StreamLoader", "Batcher"), for messages
     pool: WorkerPool
     prefetch: int
     ordered: bool
