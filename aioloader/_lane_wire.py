@@ -5,6 +5,15 @@ A lane's FIFOs are named ``PREFIX`` + the consumer's pid + a token + the worker'
 executor's); a length of zero asks the worker to stop. A worker runs the tasks of its
 lane in the order they come and writes each reply back in the same form.
 
+A large task (a batch of fetched payloads: megabytes) is *carried*: its pickle goes into
+a ``memfd`` of the consumer, and the pipe takes only a :data:`CARRIED` length and the
+:data:`CARRY` record (the consumer's pid, its descriptor, the pickle's size and a random
+token, which also leads the memfd). The worker opens ``/proc/<pid>/fd/<fd>``, checks the
+token and unpickles from a read-only mapping: one copy instead of the pipe's pieces, each
+waiting for the consumer's thread, then a copy into a fresh buffer. A worker that cannot
+open or recognise it (``/proc`` refused, the descriptor closed) answers :class:`Uncarried`,
+and the consumer sends that task again through the pipe.
+
 Worker-side: this module never imports asyncio.
 """
 
@@ -12,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import mmap
 import os
 import pickle
 import stat
@@ -23,9 +33,19 @@ from typing import Any
 from . import _reply
 from ._shm._names import _pid_alive
 
-__all__ = ["HEAD", "PREFIX", "READ", "frame", "read_exact", "serve", "sweep"]
+__all__ = [
+    "CARRIED", "CARRY", "CARRY_MIN", "HEAD", "PREFIX", "READ", "SPARES", "SPARE_MAX", "TOKEN", "Uncarried",
+    "carry", "frame", "read_exact", "recycle", "release", "serve", "sweep", "uncarry",
+]  # fmt: skip
 
 HEAD = struct.Struct("<Q")
+CARRIED = 1 << 63  # in a head: the task is in a memfd of the consumer, named by the CARRY record that follows
+CARRY = struct.Struct("<IIQQ")  # the consumer's pid, its descriptor, the pickle's size, the token
+TOKEN = struct.Struct("<Q")  # the first bytes of a carried task's memfd, then its pickle
+CARRY_MIN = 1 << 18  # frames larger than this (a task pipe's capacity) are carried
+SPARES = 4  # memfds of answered tasks a generation's lanes keep to refill
+SPARE_MAX = 16 << 20  # and only those of at most this size
+_carries: set[int] = set()  # this process's memfds of carried tasks not answered yet
 READ = 1 << 18  # most bytes one read takes from a pipe
 PREFIX = "aioloader-lane-"  # then the consumer's pid, a token, the worker's number, .task or .reply
 _STALE_S = 600  # a FIFO younger than this is never swept (a pid of another namespace may look dead)
@@ -43,6 +63,108 @@ def frame(obj: Any) -> memoryview:
     view = buf.getbuffer()
     HEAD.pack_into(view, 0, len(view) - HEAD.size)
     return view
+
+
+def carry(data: memoryview, spares: list[int]) -> tuple[int, memoryview] | None:
+    """Consumer side: frame ``data``'s pickle copied into a memfd (a spare one refilled,
+    or a new one), and the message that names it; ``None`` where no memfd can be made or
+    filled (then use the pipe)."""
+    if spares:
+        fd = spares.pop()
+    else:
+        try:
+            fd = os.memfd_create("aioloader-task", os.MFD_CLOEXEC)
+        except (AttributeError, OSError):  # not Linux, or out of memory or descriptors
+            return None
+        _carries.add(fd)
+    token = int.from_bytes(os.urandom(TOKEN.size), "little")
+    body = data[HEAD.size :]
+    try:
+        os.pwrite(fd, TOKEN.pack(token), 0)
+        done = 0
+        while done < len(body):
+            done += os.pwrite(fd, body[done:], TOKEN.size + done)
+        if os.fstat(fd).st_size > TOKEN.size + done:  # a spare that held a larger task
+            os.ftruncate(fd, TOKEN.size + done)
+    except OSError:
+        release(fd)
+        return None
+    return fd, memoryview(HEAD.pack(CARRIED | CARRY.size) + CARRY.pack(os.getpid(), fd, len(body), token))
+
+
+def recycle(fd: int, spares: list[int]) -> None:
+    """Consumer side: a carried task was answered: keep its memfd to carry a later task
+    (a new one's pages are allocated and zeroed by the kernel each time), up to
+    :data:`SPARES` of them and :data:`SPARE_MAX` bytes each; free it otherwise."""
+    if fd < 0:
+        return
+    if len(spares) < SPARES and os.fstat(fd).st_size <= SPARE_MAX:
+        spares.append(fd)
+    else:
+        release(fd)
+
+
+def uncarry(fd: int) -> memoryview:
+    """Consumer side: the frame of carried task ``fd`` read back, to go through the pipe."""
+    size = os.fstat(fd).st_size - TOKEN.size
+    return memoryview(HEAD.pack(size) + os.pread(fd, size, TOKEN.size))
+
+
+def release(fd: int) -> None:
+    """Consumer side: a carried task was answered or failed: free its memfd."""
+    if fd in _carries:
+        _carries.discard(fd)
+        os.close(fd)
+
+
+def _forget_carries() -> None:  # a forked child must not keep its parent's tasks' memory
+    for fd in _carries:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _carries.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_carries)
+
+
+class Uncarried:
+    """A worker's reply to a carried task it could not take: send it through the pipe."""
+
+
+def _uncarried() -> Uncarried:
+    return Uncarried()
+
+
+def take_carried(record: bytes | bytearray) -> Any:
+    """The task whose :data:`CARRY` record is ``record``, unpickled from the consumer's
+    memfd; ``None`` where it cannot be opened or is not the one the record names."""
+    pid, fd, size, token = CARRY.unpack(record)
+    try:
+        f = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if os.fstat(f).st_size != TOKEN.size + size:
+            return None
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # one fault-in, not one per page
+        mm = mmap.mmap(f, TOKEN.size + size, flags=flags, prot=mmap.PROT_READ)
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(f)
+    view = memoryview(mm)
+    try:
+        if TOKEN.unpack_from(view)[0] != token:
+            return None
+        body = view[TOKEN.size :]
+        try:
+            return pickle.loads(body)  # a task that cannot be unpickled raises, as from the pipe
+        finally:
+            body.release()
+    finally:
+        view.release()
+        mm.close()
 
 
 def serve(task_path: str, reply_path: str, origin: _reply.Origin) -> None:
@@ -64,14 +186,16 @@ def serve(task_path: str, reply_path: str, origin: _reply.Origin) -> None:
             size = HEAD.unpack(head)[0] if head is not None else 0
             if not size:
                 return
-            body = read_exact(rfd, size)
+            body = read_exact(rfd, size & ~CARRIED)
             if body is None:
                 return
+            task = None
             try:
-                fn, args = pickle.loads(body)
+                task = take_carried(body) if size & CARRIED else pickle.loads(body)
+                fn, args = (_uncarried, ()) if task is None else task
             except BaseException as exc:  # a task that cannot be unpickled here fails alone
                 fn, args = _reply.Entry(_raise, origin), (exc,)
-            del body  # a batch's fetched payloads, pickled: not kept while the task runs,
+            del body, task  # a batch's fetched payloads, pickled: not kept while the task runs,
             view = frame(fn(*args))
             del fn, args  # nor the payloads themselves while the next task is awaited
             while view:

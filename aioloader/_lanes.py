@@ -1,47 +1,38 @@
 """Lanes: each worker of an owned process pool reads its tasks from a pipe of its own and
 writes its replies to another, and one thread of the consumer serves all of them.
 
-Why: a ``ProcessPoolExecutor`` costs the consumer's process a great deal per task. Its
-``submit`` records a work item under a lock and wakes the manager thread; that thread
-moves the item to the call queue, whose feeder thread pickles and writes it; a worker's
-result comes back through one pipe shared by all workers, which the manager thread reads
-after building a new selector over every worker's sentinel, unpickles as a
-``_ResultItem`` and settles. On batches that cost a worker little, that machinery, not
-the workers, bounded the loader: 250-300 µs of the consumer's CPU per task here, most of
-it in the manager thread.
+Why: a ``ProcessPoolExecutor`` costs the consumer a great deal per task (a work item
+under a lock, the manager thread, the feeder thread's pickle, one result pipe for all
+workers read through a new selector each time): on batches that cost a worker little,
+that machinery bounded the loader, at 250-300 µs of the consumer's CPU per task here.
 
-So the executor only *hosts* the workers: it starts them, runs the pool initializer,
-notices a death (its manager thread watches the sentinels and breaks the pool), and
-shuts them down. Each worker serves its lane (:func:`serve`) from the end of the pool
-initializer, for the life of its generation, so a task sent before its worker is up
-waits in the pipe and runs the moment it is; the tasks themselves travel through the
-lanes:
+So the executor only *hosts* the workers (it starts them, notices a death, shuts them
+down). Each worker serves its lane from the end of the pool initializer, for the life of
+its generation (a task sent before its worker is up waits in the pipe); the tasks
+travel through the lanes:
 
 * a task goes to the lane with the fewest unanswered tasks, at most two while tasks are
-  short (one running and one waiting in its pipe, so the worker never waits for the
-  consumer between two tasks) and one once they take a worker :data:`LONG_NS` or more
-  (a task waiting behind a long one could not go to a worker that frees first, and the
-  wait between two tasks is then small beside them); beyond that it waits here and goes
-  out the moment a lane replies, from the lanes' thread, with no trip through the event
-  loop;
+  short (one running, one waiting in its pipe: no wait between two tasks) and one once
+  they take a worker :data:`LONG_NS` or more (none waits behind a long one while another
+  worker frees first); beyond that it waits here and goes out the moment a lane
+  replies, from the lanes' thread, with no trip through the event loop;
 * a lane runs its tasks in the order sent, so a reply needs no id: it answers the oldest
   unanswered task of its lane;
 * a message is an 8-byte length and a pickle (``ForkingPickler``, as the executor's); a
-  length of zero asks the worker to stop. Replies are :class:`aioloader._reply.Entry`
-  replies as before (small: larger outcomes are spilled beside the pipe);
-* a worker that dies breaks the executor, which fails its pending futures; one of them
-  is a task that no worker runs while it serves (:meth:`Lanes.watch`), so every
-  unanswered task then fails with ``BrokenProcessPool`` too, and the pool works out who
-  died holding what from the slot table as before. A worker killed half-way through a
-  reply leaves half a message in its own lane only, which dies with the generation.
+  length of zero asks the worker to stop; a task larger than a pipe holds is *carried* in
+  a memfd that the message names (see :mod:`aioloader._lane_wire`). Replies are
+  :class:`aioloader._reply.Entry` replies (small: larger outcomes are spilled beside the pipe);
+* a worker that dies breaks the executor, which fails its pending futures, among them
+  a task that no worker runs while it serves (:meth:`Lanes.watch`): every unanswered
+  task then fails with ``BrokenProcessPool`` too, and the pool works out who died holding
+  what from the slot table. A worker killed half-way through a reply leaves half a
+  message in its own lane only, which dies with the generation.
 
-Only the consumer's thread and the lanes' thread touch a lane, under one lock; the
-pipes are named FIFOs (``mkfifo``) that the consumer opens first, read-write, so that
-neither side's ``open`` waits for the other and the consumer never sees them end; each
-worker removes the names once it has opened them.
+Only the consumer's thread and the lanes' thread touch a lane, under one lock; the pipes
+are named FIFOs that the consumer opens first, read-write (neither side's ``open`` waits
+for the other, the consumer never sees them end); each worker removes their names.
 
-The wire format and the worker's side (:func:`aioloader._lane_wire.serve`) are in
-:mod:`aioloader._lane_wire`.
+The wire format and the worker's side are in :mod:`aioloader._lane_wire`.
 ``AIOLOADER_LANES=0`` turns lanes off (every task goes through the executor's ``submit``).
 """
 
@@ -62,6 +53,7 @@ from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
+from . import _lane_wire as wire
 from ._lane_wire import HEAD, PREFIX, READ, frame, sweep
 
 __all__ = ["DEPTH", "ENV", "LONG_NS", "Lanes", "enabled"]
@@ -71,10 +63,9 @@ DEPTH = 2  # unanswered tasks a lane holds at most: one running, one waiting in 
 LONG_NS = 3_000_000  # tasks this long (on average) go one to a lane at a time (grouped batches aim at 2 ms)
 _ALPHA = 0.25  # weight of the newest task in the average
 _swept = False  # this process has swept the temporary directory once
-# A task pipe's capacity once a task larger than Linux's default 64 KiB goes through it
-# (a batch of fetched payloads, megabytes): it then goes out in a few writes rather than
-# one wake of the lanes' thread per 64 KiB. Only then: the kernel charges the whole size
-# to the user's pipe quota (pipe-user-pages-soft, 64 MiB) when it is set.
+_carrying = True  # large tasks go in memfds (until a worker could not take one)
+# A task pipe's capacity once a task over Linux's default 64 KiB goes through it (fewer
+# wakes of the lanes' thread); only then, as the user's pipe quota is charged for it.
 _PIPE_SIZE = 1 << 18
 try:
     import fcntl
@@ -98,7 +89,8 @@ class _Lane:
         self.task_fd = os.open(paths[0], flags)
         self.reply_fd = os.open(paths[1], flags)
         self.big = _SETPIPE_SZ is None  # the task pipe was enlarged (or cannot be)
-        self.sent: collections.deque[tuple[cf.Future[Any], int]] = collections.deque()  # and when
+        # the unanswered tasks' futures, when each was sent, and its memfd if carried (else -1)
+        self.sent: collections.deque[tuple[cf.Future[Any], int, int]] = collections.deque()
         self.last_ns = 0  # when the lane last answered
         self.out: collections.deque[memoryview] = collections.deque()  # what the pipe could not take yet
         self.inbuf = bytearray()
@@ -106,15 +98,13 @@ class _Lane:
 
 
 class Lanes:
-    """The lanes of one generation of ``n`` workers: their :meth:`paths` go to the
-    workers with the pool initializer's arguments, :meth:`submit` sends a task,
-    :meth:`watch` ties them to the executor's verdict, :meth:`stop` and :meth:`join`
-    end them."""
+    """The lanes of one generation of ``n`` workers: :meth:`paths` go to the workers,
+    :meth:`submit` sends a task, :meth:`watch` ties them to the executor's verdict,
+    :meth:`stop` and :meth:`join` end them."""
 
     def __init__(self, n: int) -> None:
         self._lock = threading.Lock()
-        # tasks that wait for a lane, not pickled yet: a pickle made at submission would
-        # sit here beside the values it copies (a batch's fetched payloads)
+        # tasks waiting for a lane, not pickled yet (a pickle would sit beside the payloads it copies)
         self._pending: collections.deque[tuple[cf.Future[Any], Callable[..., Any], tuple[Any, ...]]] = (
             collections.deque()
         )
@@ -127,6 +117,8 @@ class Lanes:
         self.task_ns: float | None = None  # average time a task kept its worker
         self.sent = 0  # tasks sent on a lane as they were submitted
         self.held = 0  # tasks that waited here for a lane to reply first
+        self.carried = 0  # tasks sent in a memfd (see _lane_wire)
+        self._spares: list[int] = []  # memfds of answered tasks, to carry others
         self.servers: list[cf.Future[Any]] = []  # executor tasks that end only when the lanes do
         stem = os.path.join(tempfile.gettempdir(), f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}")
         try:
@@ -213,7 +205,7 @@ class Lanes:
     def unanswered(self, slot: int) -> list[cf.Future[Any]]:
         """The futures of the tasks sent on lane ``slot`` and not answered yet."""
         with self._lock:
-            return [f for f, _ in self._lanes[slot].sent] if 0 <= slot < len(self._lanes) else []
+            return [f for f, *_ in self._lanes[slot].sent] if 0 <= slot < len(self._lanes) else []
 
     def loads(self) -> list[int]:
         """Unanswered tasks on each lane (tests, diagnostics)."""
@@ -233,11 +225,19 @@ class Lanes:
         except BaseException as exc:  # this task alone fails (its future must not stay running)
             traceback.clear_frames(exc.__traceback__)  # the half-made pickle and the payloads
             return exc
+        carried = wire.carry(data, self._spares) if _carrying and len(data) > wire.CARRY_MIN else None
+        fd, data = carried if carried is not None else (-1, data)
+        self.carried += carried is not None
+        lane.sent.append((fut, time.monotonic_ns(), fd))
+        self._put(lane, data)
+        return None
+
+    def _put(self, lane: _Lane, data: memoryview) -> None:
+        """Write a frame into ``lane``'s pipe, or what it cannot take for the lanes' thread."""
         if not lane.big and len(data) > 1 << 16 and _SETPIPE_SZ is not None:
             lane.big = True
             with contextlib.suppress(OSError):  # the system's or the user's limit: keep the default
                 fcntl.fcntl(lane.task_fd, _SETPIPE_SZ, _PIPE_SIZE)
-        lane.sent.append((fut, time.monotonic_ns()))
         n = 0
         if not lane.out:
             try:
@@ -245,11 +245,10 @@ class Lanes:
             except BlockingIOError:
                 pass
             if n == len(data):
-                return None
+                return
         lane.out.append(data[n:])  # what the pipe did not take, kept as it is
         if not lane.watched:
             self._wake()  # the lanes' thread writes the rest when the worker has read
-        return None
 
     def _observe(self, ns: int) -> None:
         """A task kept its worker about ``ns`` (from when it was sent, or when the task
@@ -330,17 +329,17 @@ class Lanes:
         del buf[:pos]
         if not replies:
             return
-        futs: list[cf.Future[Any] | None] = []
+        futs: list[tuple[cf.Future[Any] | None, int]] = []
         unsent: list[tuple[cf.Future[Any], BaseException]] = []
         now = time.monotonic_ns()
         with self._lock:
             for _ in replies:
                 if lane.sent:
-                    head, sent_ns = lane.sent.popleft()
+                    head, sent_ns, fd = lane.sent.popleft()
                     self._observe(now - max(sent_ns, lane.last_ns))
-                    futs.append(head)
+                    futs.append((head, fd))
                 else:
-                    futs.append(None)
+                    futs.append((None, -1))
                 lane.last_ns = now
                 while (
                     self._pending and len(lane.sent) < self.depth and not self._closed
@@ -351,15 +350,32 @@ class Lanes:
                         unsent.append((task, error))
         for task, error in unsent:
             task.set_exception(error)
-        for fut, data in zip(futs, replies, strict=True):
+        for (fut, fd), data in zip(futs, replies, strict=True):
+            value, error = None, None
             try:  # even with nobody waiting: arrival frees what the reply holds
                 value = pickle.loads(data)
             except BaseException as exc:  # arrival never raises (see _reply): the task's error
-                if fut is not None:
-                    fut.set_exception(exc)
-            else:
-                if fut is not None:
-                    fut.set_result(value)
+                error = exc
+            if isinstance(value, wire.Uncarried) and fut is not None and fd >= 0:
+                self._resend(lane, fut, fd)  # the reply to its copy settles it
+                fut = None
+            with self._lock:  # first: a settled task holds no memfd
+                wire.recycle(fd, self._spares)
+            if fut is not None and error is not None:
+                fut.set_exception(error)
+            elif fut is not None:
+                fut.set_result(value)
+
+    def _resend(self, lane: _Lane, fut: cf.Future[Any], fd: int) -> None:
+        """A worker could not take a carried task: resend it by pipe, and carry no more."""
+        global _carrying
+        _carrying = False
+        with self._lock:
+            if self._broken is None:
+                lane.sent.append((fut, time.monotonic_ns(), -1))
+                self._put(lane, wire.uncarry(fd))
+                return
+        fut.set_exception(BrokenProcessPool(self._broken))
 
     # ------------------------------------------------------------------- ending
     def _server_done(self, fut: cf.Future[Any]) -> None:
@@ -379,9 +395,12 @@ class Lanes:
         with self._lock:
             if self._broken is None:
                 self._broken = why
-            futs = [f for lane in self._lanes for f, _ in lane.sent] + [p[0] for p in self._pending]
+            futs = [f for lane in self._lanes for f, *_ in lane.sent] + [p[0] for p in self._pending]
+            for fd in [fd for lane in self._lanes for *_, fd in lane.sent] + self._spares:
+                wire.release(fd)
             for lane in self._lanes:
                 lane.sent.clear()
+            self._spares.clear()
             self._pending.clear()
         for f in futs:
             if not f.done():
@@ -424,9 +443,8 @@ class Lanes:
     def _release(self) -> None:
         for lane in self._lanes:
             for fd in (lane.task_fd, lane.reply_fd):
-                if fd >= 0:
-                    with contextlib.suppress(OSError):
-                        os.close(fd)
+                with contextlib.suppress(OSError):  # -1 where it never opened: EBADF
+                    os.close(fd)
             for p in lane.paths:
                 with contextlib.suppress(OSError):
                     os.unlink(p)

@@ -444,6 +444,10 @@ def length_of(data: bytes) -> int:
     return len(data)
 
 
+def first_and_length(data: bytes) -> tuple[int, int]:
+    return data[0], len(data)
+
+
 def pid_of(_: Any) -> int:
     return os.getpid()
 

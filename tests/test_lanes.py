@@ -6,13 +6,16 @@ state below is reached by synchronisation, not by timing."""
 from __future__ import annotations
 
 import asyncio
+import multiprocessing as mp
 import os
 import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from concurrent.futures import Future
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
 
@@ -108,18 +111,46 @@ def test_once_tasks_are_long_a_lane_holds_one_at_a_time(pool: aioloader.WorkerPo
     assert lanes.depth == _lanes.DEPTH
 
 
+@pytest.fixture(params=["carried", "piped"])
+def carrying(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Large tasks carried in memfds (the default on Linux), or sent through the pipe (where
+    no memfd can be made, or after a worker could not take one)."""
+    on = request.param == "carried"
+    if on and not hasattr(os, "memfd_create"):
+        pytest.skip("no memfd here: large tasks always go through the pipe")
+    monkeypatch.setattr(_lanes, "_carrying", on)
+    return on
+
+
+needs_memfd = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="no memfd here: nothing is carried")
+
+
+def _memfds() -> list[str]:
+    """This process's open memfds of carried tasks."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # the listing's own descriptor, closed since
+            continue
+        if target.startswith("/memfd:aioloader-task"):
+            out.append(target)
+    return out
+
+
 def test_a_task_too_large_for_the_pipe_never_blocks_the_submitting_thread(
-    pool: aioloader.WorkerPool, tmp_path: Path
+    pool: aioloader.WorkerPool, tmp_path: Path, carrying: bool
 ) -> None:
     """With both workers held nobody reads the pipes: a 3 MiB task written from this
     thread would block it for good. What the pipe cannot take, the lanes' thread
-    writes once the worker reads."""
+    writes once the worker reads (or the task is carried, and the pipe takes its name)."""
     gen = _gen(pool)
     held = _Held(gen, tmp_path)
     big = gen.submit(H.length_of, b"x" * (3 << 20))  # returns: the test would hang here otherwise
     small = gen.submit(pow, 7, 2)
     held.release()
     assert (big.result(timeout=30), small.result(timeout=30)) == (3 << 20, 49)
+    assert gen.lanes.carried == carrying
 
 
 def test_a_task_that_cannot_be_pickled_fails_alone(pool: aioloader.WorkerPool) -> None:
@@ -160,7 +191,7 @@ def test_a_waiting_task_is_pickled_when_its_lane_takes_it_and_fails_alone_there(
 
 
 def test_large_tasks_queued_behind_each_other_on_one_lane_arrive_whole_and_in_order(
-    pool: aioloader.WorkerPool, tmp_path: Path
+    pool: aioloader.WorkerPool, tmp_path: Path, carrying: bool
 ) -> None:
     """With its worker held, a lane allowed to hold three tasks keeps two large frames
     that its pipe cannot take, one behind the other; the lanes' thread writes both,
@@ -174,6 +205,75 @@ def test_large_tasks_queued_behind_each_other_on_one_lane_arrive_whole_and_in_or
     assert gen.lanes.loads() == [3, 3] and gen.lanes.held == 0
     held.release()
     assert [f.result(timeout=30) for f in futures] == sizes
+    assert gen.lanes.carried == (len(sizes) if carrying else 0)
+    pool.close()
+    assert not _memfds()
+
+
+@needs_memfd
+def test_a_carried_tasks_memfd_is_refilled_for_a_later_one_and_freed_with_the_pool(
+    pool: aioloader.WorkerPool, tmp_path: Path
+) -> None:
+    """A task over a pipe's capacity travels in a memfd of the consumer, which the worker
+    opens through /proc; small ones do not. Once answered, the memfd is kept to carry a
+    later task (refilled, and cut to its size), unless it is over SPARE_MAX; the pool's
+    end frees it."""
+    gen = _gen(pool)
+    held = _Held(gen, tmp_path)
+    big = gen.submit(H.first_and_length, b"a" * (_lane_wire.CARRY_MIN + 100))
+    small = gen.submit(H.first_and_length, b"b" * 1000)
+    assert gen.lanes.carried == 1 and len(_memfds()) == 1
+    held.release()
+    assert (big.result(timeout=30), small.result(timeout=30)) == ((97, _lane_wire.CARRY_MIN + 100), (98, 1000))
+    after = gen.submit(H.first_and_length, b"c" * (_lane_wire.CARRY_MIN + 1)).result(timeout=30)
+    assert after == (99, _lane_wire.CARRY_MIN + 1)  # the refilled memfd holds this task, whole
+    assert gen.lanes.carried == 2 and len(_memfds()) == 1
+    huge = gen.submit(H.first_and_length, b"d" * (_lane_wire.SPARE_MAX + 1)).result(timeout=30)
+    assert huge == (100, _lane_wire.SPARE_MAX + 1) and gen.lanes.carried == 3
+    assert not _memfds()  # too large to keep: freed once answered
+    pool.close()
+    assert not _memfds()
+
+
+@needs_memfd
+def test_a_carried_task_the_worker_cannot_take_is_sent_again_through_the_pipe(
+    pool: aioloader.WorkerPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker that cannot open a carried task, or finds another one there (here: the
+    message names the wrong token), answers so; the consumer sends the task again through
+    the pipe, and from then on carries none. Nothing is lost or run twice."""
+    monkeypatch.setattr(_lanes, "_carrying", True)
+    real = _lane_wire.carry
+
+    def wrong_token(data: memoryview, spares: list[int]) -> Any:
+        fd, msg = real(data, spares)
+        pid, mfd, size, token = _lane_wire.CARRY.unpack_from(msg, _lane_wire.HEAD.size)
+        return fd, memoryview(msg[: _lane_wire.HEAD.size].tobytes() + _lane_wire.CARRY.pack(pid, mfd, size, token ^ 1))
+
+    monkeypatch.setattr(_lane_wire, "carry", wrong_token)
+    gen = _gen(pool)
+    payloads = [bytes([k]) * (_lane_wire.CARRY_MIN + k) for k in range(1, 4)]
+    futures = [gen.submit(H.length_of, p) for p in payloads]
+    assert [f.result(timeout=30) for f in futures] == [len(p) for p in payloads]
+    assert gen.lanes.carried >= 1 and _lanes._carrying is False
+    assert gen.submit(H.length_of, payloads[0]).result(timeout=30) == len(payloads[0])
+    pool.close()
+    assert not _memfds()
+
+
+@needs_memfd
+def test_a_worker_killed_with_carried_tasks_leaves_no_memfd(pool: aioloader.WorkerPool, tmp_path: Path) -> None:
+    """The tasks a dead generation held fail (the pool retries them on the next one);
+    their memfds are closed with them."""
+    gen = _gen(pool)
+    _Held(gen, tmp_path)
+    futures = [gen.submit(H.length_of, b"k" * (_lane_wire.CARRY_MIN + 8)) for _ in range(4)]
+    assert len(_memfds()) == gen.lanes.carried == 2  # one more in each held worker's lane
+    os.kill(pool.worker_pids()[0], 9)
+    for f in futures:
+        with pytest.raises(BrokenProcessPool):
+            f.result(timeout=30)
+    wait_until(lambda: not _memfds(), 10, "the failed tasks' memfds to be closed")
 
 
 def test_a_task_that_cannot_be_unpickled_in_the_worker_fails_alone(pool: aioloader.WorkerPool) -> None:
@@ -271,6 +371,56 @@ def test_a_loader_gets_its_batches_through_the_lanes(face: str) -> None:
         assert wp.start().lanes.sent + wp.start().lanes.held >= 16
         loader.close()
         ref.close()
+
+
+def _exit_1_if_it_holds_a_carried_task(fd: int) -> None:
+    try:
+        held = os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:aioloader-task")
+    except OSError:
+        held = False
+    os._exit(1 if held else 0)
+
+
+@needs_memfd
+def test_a_forked_child_does_not_keep_the_consumers_carried_tasks() -> None:
+    """A process forked while tasks are carried (a fork-started generation after a
+    restart) closes its copies of their memfds, which would otherwise keep their memory
+    for its whole life."""
+    carried = _lane_wire.carry(_lane_wire.frame((len, (b"m" * (_lane_wire.CARRY_MIN + 1),))), [])
+    assert carried is not None
+    fd = carried[0]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # fork beside pytest's threads
+            child = mp.get_context("fork").Process(target=_exit_1_if_it_holds_a_carried_task, args=(fd,))
+            child.start()
+        child.join(30)
+        assert child.exitcode == 0
+    finally:
+        _lane_wire.release(fd)
+    assert not _memfds()
+
+
+async def _blob(i: int) -> bytes:
+    return bytes([i % 251]) * 40_000
+
+
+@needs_memfd
+@pytest.mark.parametrize("face", ["for", "async-for"])
+def test_a_fetch_loaders_batches_are_carried_to_the_workers(face: str) -> None:
+    """End to end: a batch of fetched payloads (8 x 40 KB, over a pipe's capacity) reaches
+    its worker carried, and the batches are the ones the fetches and the transform make."""
+    with aioloader.WorkerPool(2) as wp:
+        loader = aioloader.DataLoader(
+            list(range(48)), 8, shuffle=True, seed=5, pool=wp, fetch=_blob, transform=H.first_and_length
+        )
+        got = _drain(loader, face)
+        with aioloader.DataLoader(list(range(48)), 8, shuffle=True, seed=5, num_workers=0) as ref:
+            order = [int(i) for batch in ref for i in batch]
+        assert [pair for batch in got for pair in zip(*batch, strict=True)] == [(i % 251, 40_000) for i in order]
+        assert wp.start().lanes.carried >= 6
+        loader.close()
+    assert not _memfds()
 
 
 def test_replies_written_after_stop_are_still_read(pool: aioloader.WorkerPool, tmp_path: Path) -> None:
