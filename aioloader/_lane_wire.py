@@ -92,13 +92,14 @@ def carry(data: memoryview, spares: list[int]) -> tuple[int, memoryview] | None:
     return fd, memoryview(HEAD.pack(CARRIED | CARRY.size) + CARRY.pack(os.getpid(), fd, len(body), token))
 
 
-def recycle(fd: int, spares: list[int]) -> None:
+def recycle(fd: int, spares: list[int], *, keep: bool = True) -> None:
     """Consumer side: a carried task was answered: keep its memfd to carry a later task
     (a new one's pages are allocated and zeroed by the kernel each time), up to
-    :data:`SPARES` of them and :data:`SPARE_MAX` bytes each; free it otherwise."""
+    :data:`SPARES` of them and :data:`SPARE_MAX` bytes each, unless not ``keep``
+    (the lanes are broken); free it otherwise."""
     if fd < 0:
         return
-    if len(spares) < SPARES and os.fstat(fd).st_size <= SPARE_MAX:
+    if keep and len(spares) < SPARES and os.fstat(fd).st_size <= SPARE_MAX:
         spares.append(fd)
     else:
         release(fd)
@@ -107,7 +108,12 @@ def recycle(fd: int, spares: list[int]) -> None:
 def uncarry(fd: int) -> memoryview:
     """Consumer side: the frame of carried task ``fd`` read back, to go through the pipe."""
     size = os.fstat(fd).st_size - TOKEN.size
-    return memoryview(HEAD.pack(size) + os.pread(fd, size, TOKEN.size))
+    buf = bytearray(HEAD.size + size)
+    HEAD.pack_into(buf, 0, size)
+    view, got = memoryview(buf), 0
+    while got < size:  # one read stops short of 2 GiB
+        got += os.preadv(fd, [view[HEAD.size + got :]], TOKEN.size + got) or size
+    return view
 
 
 def release(fd: int) -> None:
@@ -140,12 +146,15 @@ def take_carried(record: bytes | bytearray) -> Any:
     """The task whose :data:`CARRY` record is ``record``, unpickled from the consumer's
     memfd; ``None`` where it cannot be opened or is not the one the record names."""
     pid, fd, size, token = CARRY.unpack(record)
-    try:
-        f = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+    try:  # a stale record may name a pipe or a terminal by now: never wait, never adopt it
+        f = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
     except OSError:
         return None
     try:
-        if os.fstat(f).st_size != TOKEN.size + size:
+        st = os.fstat(f)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != TOKEN.size + size:
+            return None
+        if os.pread(f, TOKEN.size, 0) != TOKEN.pack(token):  # another task's, or none
             return None
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # one fault-in, not one per page
         mm = mmap.mmap(f, TOKEN.size + size, flags=flags, prot=mmap.PROT_READ)
@@ -155,8 +164,6 @@ def take_carried(record: bytes | bytearray) -> Any:
         os.close(f)
     view = memoryview(mm)
     try:
-        if TOKEN.unpack_from(view)[0] != token:
-            return None
         body = view[TOKEN.size :]
         try:
             return pickle.loads(body)  # a task that cannot be unpickled raises, as from the pipe
@@ -246,4 +253,3 @@ def sweep(folder: str) -> int:
                 os.unlink(path)
                 removed += 1
     return removed
-

@@ -359,8 +359,8 @@ class Lanes:
             if isinstance(value, wire.Uncarried) and fut is not None and fd >= 0:
                 self._resend(lane, fut, fd)  # the reply to its copy settles it
                 fut = None
-            with self._lock:  # first: a settled task holds no memfd
-                wire.recycle(fd, self._spares)
+            with self._lock:  # first: a settled task holds no memfd (nor broken lanes a spare)
+                wire.recycle(fd, self._spares, keep=self._broken is None)
             if fut is not None and error is not None:
                 fut.set_exception(error)
             elif fut is not None:
@@ -371,11 +371,11 @@ class Lanes:
         global _carrying
         _carrying = False
         with self._lock:
-            if self._broken is None:
+            if self._broken is None and not self._closed:  # stopped: it would follow the stop
                 lane.sent.append((fut, time.monotonic_ns(), -1))
                 self._put(lane, wire.uncarry(fd))
                 return
-        fut.set_exception(BrokenProcessPool(self._broken))
+        fut.set_exception(BrokenProcessPool(self._broken or "the pool's lanes were stopped"))
 
     # ------------------------------------------------------------------- ending
     def _server_done(self, fut: cf.Future[Any]) -> None:

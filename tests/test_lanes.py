@@ -242,15 +242,7 @@ def test_a_carried_task_the_worker_cannot_take_is_sent_again_through_the_pipe(
     """A worker that cannot open a carried task, or finds another one there (here: the
     message names the wrong token), answers so; the consumer sends the task again through
     the pipe, and from then on carries none. Nothing is lost or run twice."""
-    monkeypatch.setattr(_lanes, "_carrying", True)
-    real = _lane_wire.carry
-
-    def wrong_token(data: memoryview, spares: list[int]) -> Any:
-        fd, msg = real(data, spares)
-        pid, mfd, size, token = _lane_wire.CARRY.unpack_from(msg, _lane_wire.HEAD.size)
-        return fd, memoryview(msg[: _lane_wire.HEAD.size].tobytes() + _lane_wire.CARRY.pack(pid, mfd, size, token ^ 1))
-
-    monkeypatch.setattr(_lane_wire, "carry", wrong_token)
+    _wrong_token(monkeypatch)
     gen = _gen(pool)
     payloads = [bytes([k]) * (_lane_wire.CARRY_MIN + k) for k in range(1, 4)]
     futures = [gen.submit(H.length_of, p) for p in payloads]
@@ -259,6 +251,59 @@ def test_a_carried_task_the_worker_cannot_take_is_sent_again_through_the_pipe(
     assert gen.submit(H.length_of, payloads[0]).result(timeout=30) == len(payloads[0])
     pool.close()
     assert not _memfds()
+
+
+def _wrong_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make every carried task's message name a token its memfd does not hold."""
+    real = _lane_wire.carry
+
+    def wrong_token(data: memoryview, spares: list[int]) -> Any:
+        fd, msg = real(data, spares)
+        pid, mfd, size, token = _lane_wire.CARRY.unpack_from(msg, _lane_wire.HEAD.size)
+        head = msg[: _lane_wire.HEAD.size].tobytes()
+        return fd, memoryview(head + _lane_wire.CARRY.pack(pid, mfd, size, token ^ 1))
+
+    monkeypatch.setattr(_lanes, "_carrying", True)
+    monkeypatch.setattr(_lane_wire, "carry", wrong_token)
+
+
+@needs_memfd
+def test_a_carried_task_refused_after_stop_fails_at_once(
+    pool: aioloader.WorkerPool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once the lanes are stopped, a task sent again through the pipe would land behind
+    the stop and never run: it fails at once instead (the pool reruns what a retired
+    generation held), rather than when the lanes are joined."""
+    _wrong_token(monkeypatch)
+    gen = _gen(pool)
+    held = _Held(gen, tmp_path)
+    big = gen.submit(H.length_of, b"s" * (_lane_wire.CARRY_MIN + 1))  # behind a held task, carried
+    gen.lanes.stop()
+    held.release()
+    with pytest.raises(BrokenProcessPool, match="stopped"):
+        big.result(timeout=30)
+
+
+@needs_memfd
+def test_the_consumers_helpers_read_back_refuse_and_free_what_they_should(tmp_path: Path) -> None:
+    """``uncarry`` gives back the very frame that was carried; ``take_carried`` refuses,
+    without waiting, a record that names something other than a memfd (here a FIFO with
+    no writer, which a blocking open would wait on for ever); a memfd that broken lanes
+    get back is freed, not kept."""
+    frame = _lane_wire.frame((len, (b"u" * (_lane_wire.CARRY_MIN + 3),)))
+    carried = _lane_wire.carry(frame, [])
+    assert carried is not None
+    fd, _ = carried
+    assert bytes(_lane_wire.uncarry(fd)) == bytes(frame)
+    spares: list[int] = []
+    _lane_wire.recycle(fd, spares, keep=False)
+    assert spares == [] and not _memfds()
+    os.mkfifo(tmp_path / "stale")
+    r = os.open(tmp_path / "stale", os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        assert _lane_wire.take_carried(_lane_wire.CARRY.pack(os.getpid(), r, 10, 1)) is None
+    finally:
+        os.close(r)
 
 
 @needs_memfd
@@ -407,9 +452,10 @@ async def _blob(i: int) -> bytes:
 
 @needs_memfd
 @pytest.mark.parametrize("face", ["for", "async-for"])
-def test_a_fetch_loaders_batches_are_carried_to_the_workers(face: str) -> None:
+def test_a_fetch_loaders_batches_are_carried_to_the_workers(face: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """End to end: a batch of fetched payloads (8 x 40 KB, over a pipe's capacity) reaches
     its worker carried, and the batches are the ones the fetches and the transform make."""
+    monkeypatch.setattr(_lanes, "_carrying", True)
     with aioloader.WorkerPool(2) as wp:
         loader = aioloader.DataLoader(
             list(range(48)), 8, shuffle=True, seed=5, pool=wp, fetch=_blob, transform=H.first_and_length
