@@ -138,10 +138,6 @@ class Uncarried:
     """A worker's reply to a carried task it could not take: send it through the pipe."""
 
 
-def _uncarried() -> Uncarried:
-    return Uncarried()
-
-
 def take_carried(record: bytes | bytearray) -> Any:
     """The task whose :data:`CARRY` record is ``record``, unpickled from the consumer's
     memfd; ``None`` where it cannot be opened or is not the one the record names."""
@@ -199,7 +195,7 @@ def serve(task_path: str, reply_path: str, origin: _reply.Origin) -> None:
             task = None
             try:
                 task = take_carried(body) if size & CARRIED else pickle.loads(body)
-                fn, args = (_uncarried, ()) if task is None else task
+                fn, args = (Uncarried, ()) if task is None else task
             except BaseException as exc:  # a task that cannot be unpickled here fails alone
                 fn, args = _reply.Entry(_raise, origin), (exc,)
             del body, task  # a batch's fetched payloads, pickled: not kept while the task runs,

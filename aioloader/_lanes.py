@@ -32,8 +32,8 @@ Only the consumer's thread and the lanes' thread touch a lane, under one lock; t
 are named FIFOs that the consumer opens first, read-write (neither side's ``open`` waits
 for the other, the consumer never sees them end); each worker removes their names.
 
-The wire format and the worker's side are in :mod:`aioloader._lane_wire`.
-``AIOLOADER_LANES=0`` turns lanes off (every task goes through the executor's ``submit``).
+``AIOLOADER_LANES=0`` turns lanes off (tasks take the executor's ``submit``); the wire
+format and the worker's side are in :mod:`aioloader._lane_wire`.
 """
 
 from __future__ import annotations
@@ -226,7 +226,7 @@ class Lanes:
             traceback.clear_frames(exc.__traceback__)  # the half-made pickle and the payloads
             return exc
         carried = wire.carry(data, self._spares) if _carrying and len(data) > wire.CARRY_MIN else None
-        fd, data = carried if carried is not None else (-1, data)
+        fd, data = carried or (-1, data)
         self.carried += carried is not None
         lane.sent.append((fut, time.monotonic_ns(), fd))
         self._put(lane, data)
@@ -240,10 +240,8 @@ class Lanes:
                 fcntl.fcntl(lane.task_fd, _SETPIPE_SZ, _PIPE_SIZE)
         n = 0
         if not lane.out:
-            try:
+            with contextlib.suppress(BlockingIOError):  # the pipe is full
                 n = os.write(lane.task_fd, data)
-            except BlockingIOError:
-                pass
             if n == len(data):
                 return
         lane.out.append(data[n:])  # what the pipe did not take, kept as it is
@@ -359,8 +357,9 @@ class Lanes:
             if isinstance(value, wire.Uncarried) and fut is not None and fd >= 0:
                 self._resend(lane, fut, fd)  # the reply to its copy settles it
                 fut = None
-            with self._lock:  # first: a settled task holds no memfd (nor broken lanes a spare)
-                wire.recycle(fd, self._spares, keep=self._broken is None)
+            if fd >= 0:  # first: a settled task holds no memfd (nor broken lanes a spare)
+                with self._lock:
+                    wire.recycle(fd, self._spares, keep=self._broken is None)
             if fut is not None and error is not None:
                 fut.set_exception(error)
             elif fut is not None:
