@@ -7,18 +7,21 @@ A :class:`Generation` wraps one executor: the process pool or thread an owned
 generation; the pool replaces it. This module knows how to create, watch and retire
 one; what a death means for the tasks is the pool's business.
 
-Watching a break: when a ``ProcessPoolExecutor`` breaks, its manager thread fails
-every pending future *before* it terminates the surviving workers. The first such
-future's callback (:meth:`Generation.settled`), running in that thread, records which
+Watching a break: when a ``ProcessPoolExecutor`` breaks, its manager thread calls
+``terminate()`` on each surviving worker's ``Process``. Each of those, once forked, is
+given a ``terminate`` that first records (:meth:`Generation.note_deaths`) which
 workers were already dead and what their rows of the slot table
-(:class:`~aioloader._worker.Slots`) said: the deaths that broke the pool, told apart
-from the terminations that followed, whatever their exit codes.
+(:class:`~aioloader._slots.Slots`) said; :meth:`Generation.retire` records the same
+before it kills any. So the deaths that broke the pool are told apart from the
+terminations that followed, whatever their exit codes, and however early the break
+(the executor may fail a future before a callback could be added to it).
 
 Private names read, because before Python 3.14 the public API cannot tell which
 processes a pool runs, which one died, or stop a stuck worker:
 
 =================================================  ===============================================
-``ProcessPoolExecutor._processes``                 worker pids, exit codes at a break, killing
+``ProcessPoolExecutor._processes``                 worker pids, exit codes at a break, killing;
+                                                   its manager calling their ``terminate()``
 ``ProcessPoolExecutor._executor_manager_thread``   is a callback in it; joining it when retired
 ``ProcessPoolExecutor._launch_processes``          forking every worker, before any task
 ``ProcessPoolExecutor``'s calls of ``Process``      numbering its workers (see :class:`_Numbered`)
@@ -39,10 +42,10 @@ import concurrent.futures as cf
 import concurrent.futures.process  # its exit hook must be registered before ours: see below
 import concurrent.futures.thread  # noqa: F401
 import contextlib
+import functools
 import gc
 import itertools
 import os
-import signal
 import threading
 import time
 import weakref
@@ -55,7 +58,7 @@ from multiprocessing.context import BaseContext
 from typing import Any, cast
 
 from . import _byvalue, _forkserver, _lanes, _reply, _worker
-from ._slots import Slots
+from ._slots import CrashInfo, Rows, Slots
 
 # What multiprocessing imports when the first process pool is made (its locks, shared
 # values, the forkserver's Popen): imported with aioloader instead, not inside the first
@@ -65,32 +68,7 @@ with contextlib.suppress(ImportError):
     import multiprocessing.sharedctypes
     import multiprocessing.synchronize  # noqa: F401
 
-__all__ = ["CrashInfo", "Generation", "Rows", "concurrency_of", "describe_exit", "interpreter_exiting"]
-
-Rows = dict[int, tuple[int, int, int]]  # pid -> (phase, task_id, start_ns)
-
-
-def describe_exit(code: int | None) -> str:
-    """An exit code for a message: ``-9, killed by SIGKILL``."""
-    if code is None:
-        return "unknown"
-    if code < 0:
-        try:
-            return f"{code}, killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"{code}, killed by signal {-code}"
-    return str(code)
-
-
-@dataclass
-class CrashInfo:
-    """How a generation ended, as far as its tasks are concerned (the pool's verdict)."""
-
-    charged: dict[int, int | None]  # task id -> exit code of the worker that died holding it
-    exitcodes: dict[int, int | None]  # pid -> exit code, of the workers that died on their own
-    startup: bool = False  # no worker of the generation ever became ready
-    fatal: Exception | None = None  # raised to every task that asks
-
+__all__ = ["Generation", "concurrency_of", "interpreter_exiting"]
 
 @dataclass(eq=False)
 class Generation:
@@ -106,7 +84,9 @@ class Generation:
     started: bool = False
     broken: bool = False  # one of its futures failed with BrokenExecutor
     failure: BaseException | None = None  # why it refused work
-    deaths: tuple[dict[int, int | None], Rows] | None = None  # taken when it broke
+    # The workers dead before any was stopped (pid -> Process), and the slot rows then.
+    deaths: tuple[dict[int, Any], Rows] | None = None
+    noting: threading.Lock = field(default_factory=threading.Lock)
     crash: CrashInfo | None = None  # the pool's verdict, once retired
     lock: threading.Lock = field(default_factory=threading.Lock)
     tokens: frozenset[str] = frozenset()  # the payloads its workers receive when they start
@@ -159,6 +139,9 @@ class Generation:
         if launch is not None and getattr(self.executor, "_executor_manager_thread", None) is None:
             with tracker_safe():
                 launch()
+            me = weakref.ref(self)
+            for p in list((self.processes or {}).values()):  # no manager thread yet to stop one
+                p.terminate = functools.partial(_terminate_noted, me, weakref.ref(p))
 
     @classmethod
     def thread(cls, number: int) -> Generation:
@@ -233,23 +216,32 @@ class Generation:
         return fut
 
     def settled(self, fut: cf.Future[Any]) -> None:
-        """Done callback: at a break it runs in the manager thread, before the survivors
-        are terminated, which is the moment to see who died on their own."""
-        if fut.cancelled() or not isinstance(fut.exception(), cf.BrokenExecutor):
-            return
-        self.broken = True
-        if self.deaths is None and self.processes is not None and threading.current_thread() is self.manager:
-            codes = {pid: p.exitcode for pid, p in list(self.processes.items())}
-            rows = self.slots.snapshot() if self.slots is not None else {}
-            self.deaths = ({p: c for p, c in codes.items() if c is not None}, rows)
+        """Done callback of the executor's futures: notes a break."""
+        if not fut.cancelled() and isinstance(fut.exception(), cf.BrokenExecutor):
+            self.broken = True
+
+    def note_deaths(self) -> None:
+        """Record, once, which workers are dead and their slot rows. Called before any
+        worker is stopped, so those died on their own. Liveness is read from the
+        sentinels, not the exit codes: reading one takes it from the forkserver's
+        status pipe, which the manager thread reads."""
+        with self.noting:
+            if self.deaths is not None or self.processes is None:
+                return
+            procs = {}
+            for pid, p in list(self.processes.items()):
+                with contextlib.suppress(ValueError):  # a closed Process object
+                    procs[p.sentinel] = pid, p
+            dead = dict(procs[s] for s in wait_ready(list(procs), 0))
+            self.deaths = (dead, self.slots.snapshot() if self.slots is not None else {})
 
     def final_deaths(self) -> tuple[dict[int, int | None], Rows]:
-        """Who died on their own (pid -> exit code) and the slot rows, as seen at the
-        break; without a break seen (it refused work, or broke with nothing pending),
-        nobody whose death could matter to a task."""
-        if self.deaths is not None:
-            return self.deaths
-        return {}, self.slots.snapshot() if self.slots is not None else {}
+        """Once retired: who died on their own (pid -> exit code) and the slot rows
+        then; nobody if it never started a worker."""
+        if self.deaths is None:
+            return {}, self.slots.snapshot() if self.slots is not None else {}
+        dead, rows = self.deaths
+        return {pid: p.exitcode for pid, p in dead.items()}, rows
 
     def kill_stuck_start(self, limit_ns: int) -> tuple[int, list[cf.Future[Any]]] | None:
         """SIGKILL a worker of this owned process pool that has not finished starting
@@ -298,6 +290,7 @@ class Generation:
             _forget_threads(ex)
             return
         self.launched()  # no worker may be forked after the shutdown
+        self.note_deaths()  # before this kills any
         lanes = self.lanes
         if lanes is not None:
             lanes.stop()  # the workers stop serving and take the executor's shutdown
@@ -408,6 +401,15 @@ def _retire_at_child_exit() -> None:
     if _exit_hook_pid != os.getpid():
         _exit_hook_pid = os.getpid()
         mp_util.Finalize(None, _retire_all_at_exit, exitpriority=100)
+
+
+def _terminate_noted(gen: weakref.ref[Generation], process: weakref.ref[Any]) -> None:
+    """A worker's ``terminate()`` (the manager thread's, at a break): the dead first."""
+    g, p = gen(), process()
+    if g is not None:
+        g.note_deaths()
+    if p is not None:
+        type(p).terminate(p)
 
 
 class _Numbered:

@@ -39,8 +39,8 @@ from typing import Any, Literal
 
 from . import _byvalue, _forkserver, _reply, _slots, _worker
 from ._cpus import available_cpus
-from ._generation import CrashInfo, Generation, concurrency_of, describe_exit, interpreter_exiting, live_boxes
-from ._slots import Slots
+from ._generation import Generation, concurrency_of, interpreter_exiting, live_boxes
+from ._slots import CrashInfo, Slots, describe_exit
 from ._validate import default_mp_context, resolve_context
 from ._wake import Waker, waker_for
 from .errors import LoaderClosedError, PoolBrokenError

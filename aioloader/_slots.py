@@ -11,16 +11,45 @@ idle; one that died ``STARTING`` (or before it claimed a row) never finished sta
 Where there is no table (the loader's own thread, a borrowed executor), the marks go to
 :data:`local_starts` of the process that runs the task.
 
+Also here, for the consumer: what the pool concludes from the table when a generation
+breaks (:class:`CrashInfo`), and how an exit code reads in a message.
+
 Worker side: never imports asyncio.
 """
 
 from __future__ import annotations
 
+import signal
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-__all__ = ["Slots", "claim", "local_starts", "mark"]
+__all__ = ["CrashInfo", "Rows", "Slots", "claim", "describe_exit", "local_starts", "mark"]
+
+Rows = dict[int, tuple[int, int, int]]  # pid -> (phase, task_id, start_ns)
+
+
+def describe_exit(code: int | None) -> str:
+    """An exit code for a message: ``-9, killed by SIGKILL``."""
+    if code is None:
+        return "unknown"
+    if code < 0:
+        try:
+            return f"{code}, killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"{code}, killed by signal {-code}"
+    return str(code)
+
+
+@dataclass
+class CrashInfo:
+    """How a generation ended, as far as its tasks are concerned (the pool's verdict)."""
+
+    charged: dict[int, int | None]  # task id -> exit code of the worker that died holding it
+    exitcodes: dict[int, int | None]  # pid -> exit code, of the workers that died on their own
+    startup: bool = False  # no worker of the generation ever became ready
+    fatal: Exception | None = None  # raised to every task that asks
 
 
 class Slots:
@@ -32,7 +61,7 @@ class Slots:
     def __init__(self, raw: Any) -> None:
         self.rows = np.frombuffer(raw, dtype=np.int64).reshape(-1, self.WIDTH)
 
-    def snapshot(self) -> dict[int, tuple[int, int, int]]:
+    def snapshot(self) -> Rows:
         """pid -> (phase, task_id, start_ns) of every claimed row, as of now."""
         return {int(r[0]): (int(r[1]), int(r[2]), int(r[3])) for r in self.rows.copy() if r[0] > 0}
 

@@ -32,7 +32,7 @@ import aioloader
 from aioloader import _pool, _reply, _shm
 
 from . import _pool_helpers as H
-from ._datasets import KillableDataset, RangeDataset, first_to_claim
+from ._datasets import CrashDataset, KillableDataset, RangeDataset, first_to_claim
 from .conftest import wait_until
 
 REPO = Path(__file__).resolve().parents[1]
@@ -238,6 +238,47 @@ def test_killing_an_idle_worker_charges_nobody(tmp_path: Path, face: str) -> Non
             consumer.join(60)
         assert out and [b[1].tolist() for b in out[0]] == [[0, 1, 2, 3]]
         assert loader.stats().restarts == 1
+
+
+def test_a_death_before_the_pool_watches_is_still_charged_to_its_holder(
+    tmp_path: Path, collect: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker can die holding its first batch before the launcher thread has added
+    its callbacks to the executor's watched future; the executor then fails that future
+    and stops the survivors before any callback runs. Forced here for two generations
+    in a row: each death is charged all the same (before, neither was, and the batch
+    ran four times for max_retries=1)."""
+    from multiprocessing.connection import wait as wait_ready
+
+    from aioloader import _generation, _worker
+
+    forced: list[int] = []
+    submit = _generation.Generation._submit
+
+    def late_watch(self: Any, fn: Any, *args: Any) -> Any:
+        if fn is _worker.noop and self.lanes is not None and len(forced) < 2:
+            forced.append(self.number)
+            # the batch that kills its worker is sent before the workers exist
+            assert wait_ready([p.sentinel for p in self.processes.values()], 60), "no worker died"
+            real = self.executor.submit
+
+            def submit_and_wait(*a: Any) -> Any:
+                fut = real(*a)
+                cf.wait([fut], 60)  # the executor saw the death: failed before a callback is added
+                assert fut.done()
+                return fut
+
+            self.executor.submit = submit_and_wait
+        return submit(self, fn, *args)
+
+    monkeypatch.setattr(_generation.Generation, "_submit", late_watch)
+    ds = CrashDataset(8, {6}, str(tmp_path), always=True)
+    with aioloader.DataLoader(ds, 4, num_workers=2, max_retries=1, prefetch_next_epoch=False) as loader:
+        with pytest.raises(aioloader.WorkerCrashedError) as info:
+            collect(loader)
+    assert len(forced) == 2
+    assert info.value.indices == [4, 5, 6, 7] and info.value.attempts == 2
+    assert (tmp_path / "crashed-6").read_text() == "xx"
 
 
 class _DiesOnceAsItStarts:
