@@ -5,8 +5,8 @@ A lane's FIFOs are named ``PREFIX`` + the consumer's pid + a token + the worker'
 executor's); a length of zero asks the worker to stop. A worker runs the tasks of its
 lane in the order they come and writes each reply back in the same form.
 
-A large task (a batch of fetched payloads: megabytes) is *carried*: its pickle goes into
-a ``memfd`` of the consumer, and the pipe takes only a :data:`CARRIED` length and the
+A large task (a batch of fetched payloads: megabytes) is *carried*: it is pickled into
+a ``memfd`` of the consumer (:func:`pack`), and the pipe takes only a :data:`CARRIED` length and the
 :data:`CARRY` record (the consumer's pid, its descriptor, the pickle's size and a random
 token, which also leads the memfd). The worker opens ``/proc/<pid>/fd/<fd>``, checks the
 token and unpickles from a read-only mapping: one copy instead of the pipe's pieces, each
@@ -35,7 +35,7 @@ from ._shm._names import _pid_alive
 
 __all__ = [
     "CARRIED", "CARRY", "CARRY_MIN", "HEAD", "PREFIX", "READ", "SPARES", "SPARE_MAX", "TOKEN", "Uncarried",
-    "carry", "frame", "read_exact", "recycle", "release", "serve", "sweep", "uncarry",
+    "frame", "pack", "read_exact", "recycle", "release", "serve", "sweep", "uncarry",
 ]  # fmt: skip
 
 HEAD = struct.Struct("<Q")
@@ -65,31 +65,97 @@ def frame(obj: Any) -> memoryview:
     return view
 
 
-def carry(data: memoryview, spares: list[int]) -> tuple[int, memoryview] | None:
-    """Consumer side: frame ``data``'s pickle copied into a memfd (a spare one refilled,
-    or a new one), and the message that names it; ``None`` where no memfd can be made or
-    filled (then use the pipe)."""
-    if spares:
-        fd = spares.pop()
-    else:
-        try:
-            fd = os.memfd_create("aioloader-task", os.MFD_CLOEXEC)
-        except (AttributeError, OSError):  # not Linux, or out of memory or descriptors
-            return None
-        _carries.add(fd)
-    token = int.from_bytes(os.urandom(TOKEN.size), "little")
-    body = data[HEAD.size :]
+def pack(obj: Any, spares: list[int] | None) -> tuple[int, memoryview]:
+    """Consumer side: ``obj`` pickled for a lane, as ``(fd, message)``: a :func:`frame`
+    (``fd`` -1), or, once the pickle outgrows :data:`CARRY_MIN`, the message naming
+    memfd ``fd`` that holds it (a spare one refilled, or a new one; ``spares`` is
+    ``None`` when tasks are not carried). The pickler writes as it goes: what follows
+    the first :data:`CARRY_MIN` bytes goes straight into the memfd, a large ``bytes``
+    from its own memory, so no buffer of the whole pickle is made in this process."""
+    sink = _Sink(spares)
     try:
-        os.pwrite(fd, TOKEN.pack(token), 0)
+        ForkingPickler(sink).dump(obj)
+    except BaseException:
+        sink.drop()  # the task's own error (it cannot be pickled)
+        raise
+    if sink.fd < 0:
+        view = memoryview(sink.buf)
+        HEAD.pack_into(view, 0, len(view) - HEAD.size)
+        return -1, view
+    if os.fstat(sink.fd).st_size > sink.pos:  # a spare that held a larger task
+        os.ftruncate(sink.fd, sink.pos)
+    record = CARRY.pack(os.getpid(), sink.fd, sink.pos - TOKEN.size, sink.token)
+    return sink.fd, memoryview(HEAD.pack(CARRIED | CARRY.size) + record)
+
+
+class _Sink:
+    """The pickler's file: a frame in memory up to :data:`CARRY_MIN` bytes, then a memfd
+    (the token, the bytes so far, then each write at once). A memfd that cannot be had,
+    or refuses a write (out of memory), leaves the whole pickle in memory."""
+
+    __slots__ = ("buf", "fd", "pos", "spares", "token")
+
+    def __init__(self, spares: list[int] | None) -> None:
+        self.buf, self.fd, self.pos, self.spares, self.token = bytearray(_NO_HEAD), -1, 0, spares, 0
+
+    def write(self, data: Any) -> int:
+        with memoryview(data) as view, view.cast("B") as b:
+            size = len(b)
+            if self.fd < 0 and (self.spares is None or len(self.buf) + size <= CARRY_MIN):
+                self.buf += b
+                return size
+            if self.fd < 0:
+                self._spill()
+            if self.fd < 0 or not self._put(b):
+                self.buf += b
+        return size
+
+    def _spill(self) -> None:
+        """Move what the buffer holds, behind a new token, into a memfd."""
+        fd = _memfd(self.spares)
+        if fd < 0:
+            self.spares = None  # none to be had: the pickle stays in memory
+            return
+        self.fd, self.token = fd, int.from_bytes(os.urandom(TOKEN.size), "little")
+        if self._put(TOKEN.pack(self.token) + self.buf[HEAD.size :]):
+            del self.buf[HEAD.size :]
+
+    def _put(self, b: Any) -> bool:
+        """Write ``b`` at the memfd's end; where it fails, free the memfd and go on in memory."""
         done = 0
-        while done < len(body):
-            done += os.pwrite(fd, body[done:], TOKEN.size + done)
-        if os.fstat(fd).st_size > TOKEN.size + done:  # a spare that held a larger task
-            os.ftruncate(fd, TOKEN.size + done)
-    except OSError:
+        try:
+            while done < len(b):
+                done += os.pwrite(self.fd, b[done:], self.pos + done)
+        except OSError:
+            self._back_to_memory()
+            return False
+        self.pos += done
+        return True
+
+    def _back_to_memory(self) -> None:
+        fd, self.fd, self.spares = self.fd, -1, None
+        if self.pos:  # what went into the memfd comes back behind the head
+            self.buf = _read_back(fd, self.pos - TOKEN.size)
         release(fd)
-        return None
-    return fd, memoryview(HEAD.pack(CARRIED | CARRY.size) + CARRY.pack(os.getpid(), fd, len(body), token))
+
+    def drop(self) -> None:
+        """The pickling failed: the memfd goes back to the spares."""
+        if self.fd >= 0 and self.spares is not None:
+            recycle(self.fd, self.spares)
+
+
+def _memfd(spares: list[int] | None) -> int:
+    """A spare memfd, or a new one; -1 when tasks are not carried or none can be made."""
+    if spares is None:
+        return -1
+    if spares:
+        return spares.pop()
+    try:
+        fd = os.memfd_create("aioloader-task", os.MFD_CLOEXEC)
+    except (AttributeError, OSError):  # not Linux, or out of memory or descriptors
+        return -1
+    _carries.add(fd)
+    return fd
 
 
 def recycle(fd: int, spares: list[int], *, keep: bool = True) -> None:
@@ -107,13 +173,18 @@ def recycle(fd: int, spares: list[int], *, keep: bool = True) -> None:
 
 def uncarry(fd: int) -> memoryview:
     """Consumer side: the frame of carried task ``fd`` read back, to go through the pipe."""
-    size = os.fstat(fd).st_size - TOKEN.size
+    return memoryview(_read_back(fd, os.fstat(fd).st_size - TOKEN.size))
+
+
+def _read_back(fd: int, size: int) -> bytearray:
+    """The frame of the ``size``-byte pickle that follows the token in memfd ``fd``."""
     buf = bytearray(HEAD.size + size)
     HEAD.pack_into(buf, 0, size)
-    view, got = memoryview(buf), 0
-    while got < size:  # one read stops short of 2 GiB
-        got += os.preadv(fd, [view[HEAD.size + got :]], TOKEN.size + got) or size
-    return view
+    got = 0
+    with memoryview(buf) as view:  # released: the buffer may grow afterwards
+        while got < size:  # one read stops short of 2 GiB
+            got += os.preadv(fd, [view[HEAD.size + got :]], TOKEN.size + got) or size
+    return buf
 
 
 def release(fd: int) -> None:

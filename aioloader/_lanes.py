@@ -54,7 +54,7 @@ from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 from . import _lane_wire as wire
-from ._lane_wire import HEAD, PREFIX, READ, frame, sweep
+from ._lane_wire import HEAD, PREFIX, READ, sweep
 
 __all__ = ["DEPTH", "ENV", "LONG_NS", "Lanes", "enabled"]
 
@@ -221,13 +221,11 @@ class Lanes:
         if not fut.set_running_or_notify_cancel():
             return None
         try:
-            data = frame((fn, args))
+            fd, data = wire.pack((fn, args), self._spares if _carrying else None)
         except BaseException as exc:  # this task alone fails (its future must not stay running)
             traceback.clear_frames(exc.__traceback__)  # the half-made pickle and the payloads
             return exc
-        carried = wire.carry(data, self._spares) if _carrying and len(data) > wire.CARRY_MIN else None
-        fd, data = carried or (-1, data)
-        self.carried += carried is not None
+        self.carried += fd >= 0
         lane.sent.append((fut, time.monotonic_ns(), fd))
         self._put(lane, data)
         return None

@@ -255,16 +255,18 @@ def test_a_carried_task_the_worker_cannot_take_is_sent_again_through_the_pipe(
 
 def _wrong_token(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make every carried task's message name a token its memfd does not hold."""
-    real = _lane_wire.carry
+    real = _lane_wire.pack
 
-    def wrong_token(data: memoryview, spares: list[int]) -> Any:
-        fd, msg = real(data, spares)
+    def wrong_token(obj: Any, spares: list[int] | None) -> Any:
+        fd, msg = real(obj, spares)
+        if fd < 0:
+            return fd, msg
         pid, mfd, size, token = _lane_wire.CARRY.unpack_from(msg, _lane_wire.HEAD.size)
         head = msg[: _lane_wire.HEAD.size].tobytes()
         return fd, memoryview(head + _lane_wire.CARRY.pack(pid, mfd, size, token ^ 1))
 
     monkeypatch.setattr(_lanes, "_carrying", True)
-    monkeypatch.setattr(_lane_wire, "carry", wrong_token)
+    monkeypatch.setattr(_lane_wire, "pack", wrong_token)
 
 
 @needs_memfd
@@ -290,11 +292,10 @@ def test_the_consumers_helpers_read_back_refuse_and_free_what_they_should(tmp_pa
     without waiting, a record that names something other than a memfd (here a FIFO with
     no writer, which a blocking open would wait on for ever); a memfd that broken lanes
     get back is freed, not kept."""
-    frame = _lane_wire.frame((len, (b"u" * (_lane_wire.CARRY_MIN + 3),)))
-    carried = _lane_wire.carry(frame, [])
-    assert carried is not None
-    fd, _ = carried
-    assert bytes(_lane_wire.uncarry(fd)) == bytes(frame)
+    task = (len, (b"u" * (_lane_wire.CARRY_MIN + 3),))
+    fd, _ = _lane_wire.pack(task, [])
+    assert fd >= 0
+    assert bytes(_lane_wire.uncarry(fd)) == bytes(_lane_wire.frame(task))
     spares: list[int] = []
     _lane_wire.recycle(fd, spares, keep=False)
     assert spares == [] and not _memfds()
@@ -304,6 +305,48 @@ def test_the_consumers_helpers_read_back_refuse_and_free_what_they_should(tmp_pa
         assert _lane_wire.take_carried(_lane_wire.CARRY.pack(os.getpid(), r, 10, 1)) is None
     finally:
         os.close(r)
+
+
+@needs_memfd
+def test_pack_never_holds_a_whole_large_pickle_and_falls_back_to_a_frame() -> None:
+    """A carried task is pickled straight into its memfd: packing 8 MB of payloads
+    allocates a small part of that in this process (a frame of it, pickled first, holds
+    all of it); a small task makes no memfd. A memfd that refuses the write (sealed
+    here; out of memory in life) is freed and the task framed for the pipe, whole; a
+    task that cannot be pickled raises its own error and leaves its memfd a spare."""
+    import fcntl
+    import tracemalloc
+
+    payloads = [bytes([k]) * 40_000 for k in range(200)]  # 8 MB, each under a pickle frame
+    spares: list[int] = []
+    tracemalloc.start()
+    try:
+        fd, msg = _lane_wire.pack((len, (payloads,)), spares)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert fd >= 0 and len(msg) == _lane_wire.HEAD.size + _lane_wire.CARRY.size
+    assert peak < 2 << 20, peak  # the first CARRY_MIN bytes, a pickle frame, a copy of them
+    assert bytes(_lane_wire.uncarry(fd)) == bytes(_lane_wire.frame((len, (payloads,))))
+    _lane_wire.release(fd)
+    fd, msg = _lane_wire.pack((len, (b"s" * 1000,)), spares)
+    assert fd == -1 and bytes(msg) == bytes(_lane_wire.frame((len, (b"s" * 1000,))))
+    assert spares == [] and not _memfds()
+
+    sealed = os.memfd_create("aioloader-task", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    fcntl.fcntl(sealed, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW)
+    _lane_wire._carries.add(sealed)
+    spares = [sealed]
+    fd, msg = _lane_wire.pack((len, (payloads,)), spares)
+    assert fd == -1 and bytes(msg) == bytes(_lane_wire.frame((len, (payloads,))))
+    assert spares == [] and not _memfds()  # the refusing memfd was freed
+
+    spares = []
+    with pytest.raises(TypeError, match="lock"):
+        _lane_wire.pack((len, (payloads, threading.Lock())), spares)
+    assert len(spares) == 1 and len(_memfds()) == 1
+    _lane_wire.release(spares.pop())
+    assert not _memfds()
 
 
 @needs_memfd
@@ -431,9 +474,8 @@ def test_a_forked_child_does_not_keep_the_consumers_carried_tasks() -> None:
     """A process forked while tasks are carried (a fork-started generation after a
     restart) closes its copies of their memfds, which would otherwise keep their memory
     for its whole life."""
-    carried = _lane_wire.carry(_lane_wire.frame((len, (b"m" * (_lane_wire.CARRY_MIN + 1),))), [])
-    assert carried is not None
-    fd = carried[0]
+    fd, _ = _lane_wire.pack((len, (b"m" * (_lane_wire.CARRY_MIN + 1),)), [])
+    assert fd >= 0
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # fork beside pytest's threads
