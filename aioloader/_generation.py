@@ -70,6 +70,7 @@ with contextlib.suppress(ImportError):
 
 __all__ = ["Generation", "concurrency_of", "interpreter_exiting"]
 
+
 @dataclass(eq=False)
 class Generation:
     """One executor incarnation and what is known about it."""
@@ -84,8 +85,7 @@ class Generation:
     started: bool = False
     broken: bool = False  # one of its futures failed with BrokenExecutor
     failure: BaseException | None = None  # why it refused work
-    # The workers dead before any was stopped (pid -> Process), and the slot rows then.
-    deaths: tuple[dict[int, Any], Rows] | None = None
+    deaths: tuple[dict[int, Any], Rows] | None = None  # pid -> Process, dead before any was stopped; rows
     noting: threading.Lock = field(default_factory=threading.Lock)
     crash: CrashInfo | None = None  # the pool's verdict, once retired
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -175,13 +175,12 @@ class Generation:
 
     def _launch(self, lanes: _lanes.Lanes) -> None:
         """The launcher thread: start the lanes' thread, fork the workers, then submit
-        one task that no worker
-        runs while it serves its lane. Submitting it starts the executor's manager
-        thread, which watches the workers; when one dies, the executor fails that task,
-        and the lanes fail theirs (:meth:`~aioloader._lanes.Lanes.watch`). A failure to
-        fork (the forkserver gone, no more processes) fails the tasks sent so far, as a
-        worker dying as it started would: they come back lost and the pool rebuilds the
-        generation."""
+        one task that no worker runs while it serves its lane. Submitting it starts the
+        executor's manager thread, which watches the workers; when one dies, the executor
+        fails that task, and the lanes fail theirs (:meth:`~aioloader._lanes.Lanes.watch`).
+        A failure to fork (the forkserver gone, no more processes) fails the tasks sent
+        so far, as a worker dying as it started would: they come back lost and the pool
+        rebuilds the generation."""
         try:
             lanes.start()
             self.launch()
@@ -216,9 +215,12 @@ class Generation:
         return fut
 
     def settled(self, fut: cf.Future[Any]) -> None:
-        """Done callback of the executor's futures: notes a break."""
+        """Done callback of the executor's futures: notes a break (and, in the manager
+        thread, the dead: where ``launch`` could not give the processes their hook)."""
         if not fut.cancelled() and isinstance(fut.exception(), cf.BrokenExecutor):
             self.broken = True
+            if threading.current_thread() is self.manager:
+                self.note_deaths()
 
     def note_deaths(self) -> None:
         """Record, once, which workers are dead and their slot rows. Called before any
@@ -236,8 +238,7 @@ class Generation:
             self.deaths = (dead, self.slots.snapshot() if self.slots is not None else {})
 
     def final_deaths(self) -> tuple[dict[int, int | None], Rows]:
-        """Once retired: who died on their own (pid -> exit code) and the slot rows
-        then; nobody if it never started a worker."""
+        """Once retired: who died on their own (pid -> exit code), and the slot rows."""
         if self.deaths is None:
             return {}, self.slots.snapshot() if self.slots is not None else {}
         dead, rows = self.deaths

@@ -75,6 +75,8 @@ def pack(obj: Any, spares: list[int] | None) -> tuple[int, memoryview]:
     sink = _Sink(spares)
     try:
         ForkingPickler(sink).dump(obj)
+        if sink.fd >= 0 and os.fstat(sink.fd).st_size > sink.pos:  # a spare that held a larger task
+            os.ftruncate(sink.fd, sink.pos)
     except BaseException:
         sink.drop()  # the task's own error (it cannot be pickled)
         raise
@@ -82,8 +84,6 @@ def pack(obj: Any, spares: list[int] | None) -> tuple[int, memoryview]:
         view = memoryview(sink.buf)
         HEAD.pack_into(view, 0, len(view) - HEAD.size)
         return -1, view
-    if os.fstat(sink.fd).st_size > sink.pos:  # a spare that held a larger task
-        os.ftruncate(sink.fd, sink.pos)
     record = CARRY.pack(os.getpid(), sink.fd, sink.pos - TOKEN.size, sink.token)
     return sink.fd, memoryview(HEAD.pack(CARRIED | CARRY.size) + record)
 
@@ -134,9 +134,11 @@ class _Sink:
 
     def _back_to_memory(self) -> None:
         fd, self.fd, self.spares = self.fd, -1, None
-        if self.pos:  # what went into the memfd comes back behind the head
-            self.buf = _read_back(fd, self.pos - TOKEN.size)
-        release(fd)
+        try:
+            if self.pos:  # what went into the memfd comes back behind the head
+                self.buf = _read_back(fd, self.pos - TOKEN.size)
+        finally:
+            release(fd)
 
     def drop(self) -> None:
         """The pickling failed: the memfd goes back to the spares."""

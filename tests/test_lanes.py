@@ -340,6 +340,15 @@ def test_pack_never_holds_a_whole_large_pickle_and_falls_back_to_a_frame() -> No
     fd, msg = _lane_wire.pack((len, (payloads,)), spares)
     assert fd == -1 and bytes(msg) == bytes(_lane_wire.frame((len, (payloads,))))
     assert spares == [] and not _memfds()  # the refusing memfd was freed
+    # one that refuses only past its size: what went in is read back, the rest follows
+    short = os.memfd_create("aioloader-task", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(short, 300_000)
+    fcntl.fcntl(short, fcntl.F_ADD_SEALS, fcntl.F_SEAL_GROW)
+    _lane_wire._carries.add(short)
+    spares = [short]
+    fd, msg = _lane_wire.pack((len, (payloads,)), spares)
+    assert fd == -1 and bytes(msg) == bytes(_lane_wire.frame((len, (payloads,))))
+    assert spares == [] and not _memfds()
 
     spares = []
     with pytest.raises(TypeError, match="lock"):
