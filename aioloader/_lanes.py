@@ -66,7 +66,7 @@ _swept = False  # this process has swept the temporary directory once
 _carrying = True  # large tasks go in memfds (until a worker could not take one)
 # A task pipe's capacity once a task over Linux's default 64 KiB goes through it (fewer
 # wakes of the lanes' thread); only then, as the user's pipe quota is charged for it.
-_PIPE_SIZE = 1 << 18
+_PIPE_SIZE = wire.CARRY_MIN  # a larger task is carried in a memfd instead
 try:
     import fcntl
 
