@@ -23,6 +23,9 @@ The copy resets what a fresh interpreter would not have: Python-level signal han
 go back to the default (SIGINT is ignored, as the preload does for spawned servers),
 stdout and stderr are flushed before the fork (no buffered text printed twice), and
 the garbage collector's current objects are frozen (workers do not touch their pages).
+Its socket lives in a folder of its own (``aioloader-fsrv-*`` in the temporary
+directory), which the server removes as it ends: also after a consumer that was killed,
+which a socket in multiprocessing's ``pymp-*`` folder would outlast.
 It holds the consumer's memory as it was at that moment, shared copy-on-write, until
 the consumer exits: memory the consumer frees later stays resident in it. Set
 ``AIOLOADER_FORKSERVER=spawn`` to always use the spawned forkserver.
@@ -78,11 +81,12 @@ import selectors
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 import types
 import warnings
-from multiprocessing import connection, forkserver, reduction
+from multiprocessing import forkserver, reduction
 from multiprocessing import resource_tracker as mp_tracker
 from multiprocessing.context import BaseContext
 from typing import Any
@@ -155,47 +159,60 @@ def _native_threads() -> int | None:
 
 def _fork_server(server: Any) -> None:
     """What ``ForkServer.ensure_running`` does, with ``os.fork`` in place of a new
-    interpreter. Holds the server's own lock, as that method does."""
+    interpreter. Holds the server's own lock, as that method does. The socket is in a
+    folder of the server's own, which it removes as it ends, however the consumer ended
+    (multiprocessing's ``pymp-*`` folder is removed only by a consumer that exits)."""
     with server._lock:
         tracker = _tracker_pipe()
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()
-        with socket.socket(socket.AF_UNIX) as listener:
-            address = connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
-            listener.bind(address)
-            os.chmod(address, 0o600)
-            listener.listen()
-            alive_r, alive_w = os.pipe()
-            theirs = parts.shared_with_children()
-            try:
+        folder = tempfile.mkdtemp(prefix="aioloader-fsrv-")
+        address = os.path.join(folder, "listener")
+        alive_r = alive_w = -1
+        try:
+            with socket.socket(socket.AF_UNIX) as listener:
+                listener.bind(address)
+                listener.listen()
+                alive_r, alive_w = os.pipe()
+                theirs = parts.shared_with_children()
                 with warnings.catch_warnings():
                     # 3.12+ warns about any other OS thread; the only ones allowed here
                     # (see _can_fork) are pools that prepare themselves for fork.
                     warnings.simplefilter("ignore", DeprecationWarning)
                     pid = os.fork()
-            except BaseException:
-                for fd in (alive_r, alive_w, *(tracker or ())):
+                if pid == 0:  # pragma: no cover - the forked server (coverage does not follow it)
+                    code = 1
+                    try:
+                        os.close(alive_w)
+                        parts.neutralize(theirs)
+                        _serve(listener.fileno(), alive_r, tracker)
+                        code = 0
+                    except SystemExit:  # forkserver.main's way out, once every client is gone
+                        code = 0
+                    finally:
+                        _remove_folder(folder)
+                        os._exit(code)
+        except BaseException:
+            for fd in (alive_r, alive_w, *(tracker or ())):
+                if fd >= 0:
                     os.close(fd)
-                raise
-            if pid == 0:  # pragma: no cover - the forked server (coverage does not follow it)
-                code = 1
-                try:
-                    os.close(alive_w)
-                    parts.neutralize(theirs)
-                    _serve(listener.fileno(), alive_r, tracker)
-                    code = 0
-                except SystemExit:  # forkserver.main's way out, once every client is gone
-                    code = 0
-                finally:
-                    os._exit(code)
-            os.close(alive_r)
+            _remove_folder(folder)
+            raise
+        os.close(alive_r)
         if tracker is not None:
             os.close(tracker[0])
             _adopt_tracker(tracker[1])
         server._forkserver_address = address
         server._forkserver_alive_fd = alive_w
         server._forkserver_pid = pid
+
+
+def _remove_folder(folder: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(os.path.join(folder, "listener"))
+    with contextlib.suppress(OSError):
+        os.rmdir(folder)
 
 
 def _tracker_pipe() -> tuple[int, int] | None:

@@ -202,12 +202,20 @@ def children(pid):
 '''
 
 
+def _tmpdir(tmp_path: Path) -> Path:
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    return tmp_path / "tmp"
+
+
 def _run(tmp_path: Path, script: str, *args: str) -> subprocess.CompletedProcess[str]:
     """Run a consumer script (``{helpers}`` in it replaced by :data:`PROC_HELPERS`) in a
     fresh interpreter with the forked forkserver allowed."""
     path = tmp_path / "consumer_script.py"
     path.write_text(script.replace("{helpers}", PROC_HELPERS))
     env = {k: v for k, v in os.environ.items() if k != "AIOLOADER_FORKSERVER"}
+    # multiprocessing's temporary folders (the forkserver's socket) go under tmp_path,
+    # where a test can look for what a consumer left behind.
+    env["TMPDIR"] = str(_tmpdir(tmp_path))
     # A forked tracker inherits the consumer's stderr: the run ends once it has exited.
     return subprocess.run(
         [sys.executable, str(path), *args], capture_output=True, text=True, timeout=150, env=env, check=False
@@ -261,6 +269,9 @@ def test_the_forked_forkserver_forks_the_resource_tracker_which_cleans_up_after_
     name = f"aioloader_test_tracker_{os.getpid()}"
     proc = _run(tmp_path, TRACKER, name, when)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    # The consumer died without removing its temporary folder (the server's socket in
+    # it): the server, which outlives it, removes both as it ends.
+    wait_until(lambda: not list(_tmpdir(tmp_path).iterdir()), 30.0, "the dead consumer's pymp-* folder to go")
     if when != "after-its-batches":
         assert not os.path.exists(f"/dev/shm/{name}")
         assert "leaked shared_memory" in proc.stderr

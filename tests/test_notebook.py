@@ -188,7 +188,14 @@ def test_jupyter_kernel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setenv("IPYTHONDIR", str(tmp_path / "ipython"))
     pytest.importorskip("ipykernel")  # both come with the test extra
     manager = pytest.importorskip("jupyter_client.manager")
-    env = {**_env(), "JUPYTER_PATH": str(tmp_path / "jupyter"), "IPYTHONDIR": str(tmp_path / "ipython")}
+    # TMPDIR: the kernel is stopped with a signal (see docs/api.md, "Shutting a kernel
+    # down"), so multiprocessing's folder for its spawned forkserver stays, here.
+    env = {
+        **_env(),
+        "JUPYTER_PATH": str(tmp_path / "jupyter"),
+        "IPYTHONDIR": str(tmp_path / "ipython"),
+        "TMPDIR": str(tmp_path),
+    }
     km, kc = manager.start_new_kernel(
         kernel_name="aioloader-test", startup_timeout=60, env=env, cwd=str(tmp_path)
     )
