@@ -46,3 +46,16 @@ def test_bench_serve_smallest_run_writes_every_part(tmp_path: Path) -> None:
     assert ovl["admitted"] + ovl["rejected"] == ovl["offered"]
     assert ovl["completed"] + ovl["expired"] == ovl["admitted"]
     assert ovl["worker_items"] <= ovl["admitted"] + 32
+
+
+def test_the_default_ladder_climbs_past_the_compute_bound() -> None:
+    """A ladder that stops short of the bound would cap every knee at its top rate."""
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        import bench_serve
+    finally:
+        sys.path.remove(str(BENCH.parent))
+    rates = bench_serve.auto_rates(2974.0)
+    assert rates[:3] == [100.0, 200.0, 400.0]
+    assert rates[-1] == 3600.0 and rates[-2] < 1.2 * 2974.0 <= rates[-1]
+    assert all(b - a == 200.0 for a, b in zip(rates[1:], rates[2:], strict=False))

@@ -14,6 +14,11 @@ Contenders:
   ``asyncio.Queue`` with an id, a ``StreamLoader`` micro-batches them, a task resolves each
   request's future from its batch.
 
+The offered rates climb from 100 req/s by 200 up to 1.2x the compute bound (what the
+workers do running ``fn`` back to back), measured before the sweeps, so that no knee is
+capped by the ladder; a contender stops climbing after two rates in a row past its knee
+(p99 over 50 ms, or an error).
+
 Also measured: the added latency at low load (one request at a time) over ``fn`` itself as
 timed in the worker, for the Batcher and the naive way; and the Batcher under 2x overload
 with a 50 ms deadline per request (admission by the estimated answer time).
@@ -30,6 +35,7 @@ import gc
 import io
 import itertools
 import json
+import math
 import multiprocessing
 import statistics
 import sys
@@ -240,19 +246,39 @@ async def warm(c: Contender, jpegs: list[bytes]) -> None:
     await asyncio.gather(*(c.call(j) for j in jpegs[:32]))
 
 
+LIMIT_MS = 50.0  # the knee: the highest rate whose p99 stays under this, with no error
+GIVE_UP = 2  # a contender stops climbing after this many failing rates in a row
+
+
 async def sweep(
     name: str, workers: int, jpegs: list[bytes], rates: list[float], seconds: float
 ) -> list[dict[str, Any]]:
+    """The rates in order, until ``GIVE_UP`` of them in a row miss the limit: the rates
+    above are not offered (rows with ``None`` latencies), as a queue that grows without
+    bound says nothing more at a higher rate and keeps the machine busy draining it."""
     c = MAKERS[name](workers)
     await c.start()
     try:
         await warm(c, jpegs)
-        rows = []
+        rows: list[dict[str, Any]] = []
+        missed = 0
         for rate in rates:
-            rows.append(await open_loop(c.call, jpegs, rate, max(50, int(rate * seconds))))
+            if missed >= GIVE_UP:
+                rows.append({"rate": rate, "p50_ms": None, "p99_ms": None, "errors": 0, "offered": False})
+                continue
+            row = await open_loop(c.call, jpegs, rate, max(50, int(rate * seconds)))
+            rows.append({**row, "offered": True})
+            missed = 0 if best_rate([row]) else missed + 1
         return rows
     finally:
         await c.stop()
+
+
+def auto_rates(bound: float, step: float = 200.0) -> list[float]:
+    """100, 200, then every ``step`` up to 1.2x ``bound`` (the compute bound measured
+    before the sweeps): a ladder that stops short of the bound would cap every knee."""
+    top = step * math.ceil(1.2 * bound / step)
+    return [100.0, *(step * k for k in range(1, int(top / step) + 1))]
 
 
 async def compute_bound(workers: int, side: int, seconds: float) -> float:
@@ -391,7 +417,7 @@ async def overload(workers: int, jpegs: list[bytes], rate: float, seconds: float
     }
 
 
-def best_rate(rows: list[dict[str, Any]], limit_ms: float = 50.0) -> float:
+def best_rate(rows: list[dict[str, Any]], limit_ms: float = LIMIT_MS) -> float:
     ok = [r["rate"] for r in rows if r["p99_ms"] is not None and r["p99_ms"] < limit_ms and not r["errors"]]
     return max(ok, default=0.0)
 
@@ -415,11 +441,17 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     if args.gc_freeze:
         gc.collect()
         gc.freeze()
-    rates = [float(r) for r in args.rates.split(",")]
-    names = ["batcher", "naive", "stream"]
     out: dict[str, Any] = {
-        "rates": rates, "side": args.side, "workers": args.workers, "repeat": args.repeat, "gc_freeze": args.gc_freeze,
+        "side": args.side, "workers": args.workers, "repeat": args.repeat, "gc_freeze": args.gc_freeze,
     }  # fmt: skip
+    if args.rates == "auto":
+        out["ladder_bound"] = await compute_bound(args.workers, args.side, 2 * args.seconds)
+        rates = auto_rates(out["ladder_bound"])
+        print(f"compute bound {out['ladder_bound']:.0f} req/s: rates up to {rates[-1]:.0f}", flush=True)
+    else:
+        rates = [float(r) for r in args.rates.split(",")]
+    out["rates"] = rates
+    names = ["batcher", "naive", "stream"]
     raw: dict[str, list[list[dict[str, Any]]]] = {n: [] for n in names}
     bounds: list[float] = []
     for rep in range(args.repeat):  # interleaved: the order rotates every repetition
@@ -432,7 +464,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             print(
                 f"rep {rep + 1}/{args.repeat}",
                 name,
-                [(r["rate"], round(r["p99_ms"] or -1, 1)) for r in rows],
+                [(r["rate"], round(r["p99_ms"], 1)) for r in rows if r["p99_ms"] is not None],
                 flush=True,
             )
     out["sweeps_raw"] = raw
@@ -472,7 +504,8 @@ def chart(result: dict[str, Any], path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, rows in result["sweeps"].items():
-        ax.plot([r["rate"] for r in rows], [r["p99_ms"] for r in rows], marker="o", label=name)
+        shown = [r for r in rows if r["p99_ms"] is not None]
+        ax.plot([r["rate"] for r in shown], [r["p99_ms"] for r in shown], marker="o", label=name)
     ax.axhline(50, color="grey", linestyle="--", linewidth=1)
     ax.set_yscale("log")
     ax.set_xlabel("offered load, requests/s (open loop)")
@@ -487,7 +520,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--side", type=int, default=256, help="side of the request JPEGs, pixels")
-    ap.add_argument("--rates", default="100,200,400,600,800,1000,1200,1400,1600,1800,2000,2200,2400,2600")
+    ap.add_argument(
+        "--rates",
+        default="auto",
+        help="comma-separated offered rates, req/s; 'auto': 100, 200, then every 200 up to 1.2x "
+        "the compute bound measured first",
+    )
     ap.add_argument("--seconds", type=float, default=2.0, help="seconds of arrivals per rate")
     ap.add_argument("--repeat", type=int, default=3, help="interleaved repetitions (medians are reported)")
     ap.add_argument(
