@@ -21,9 +21,9 @@ one value per batch (``--touch``: every page) and drops the batch. The last row 
 ``aioloader shm`` with batches a quarter of the size: its main-process CPU per batch should
 be the same.
 
-    python examples/bench_ipc.py            # ~2-3 minutes
-    python examples/bench_ipc.py --quick    # ~30 s
-    python examples/bench_ipc.py --json out.json
+    python examples/benchmarks/bench_ipc.py            # ~2-3 minutes
+    python examples/benchmarks/bench_ipc.py --quick    # ~30 s
+    python examples/benchmarks/bench_ipc.py --json out.json
 """
 
 from __future__ import annotations

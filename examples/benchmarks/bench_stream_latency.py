@@ -1,7 +1,7 @@
 """Latency benchmark for StreamLoader (issue 6's targets).
 
-    python examples/bench_stream_latency.py                 # both scenarios, ~10 s
-    python examples/bench_stream_latency.py --seconds 10 --workers 2 --mode sync
+    python examples/benchmarks/bench_stream_latency.py                 # both scenarios, ~10 s
+    python examples/benchmarks/bench_stream_latency.py --seconds 10 --workers 2 --mode sync
 
 A source produces items at a steady rate (default 500 items/s, one every 2 ms, on an
 absolute schedule) and each item costs ``fn`` a fixed busy-wait (default 1 ms) in a
