@@ -167,12 +167,14 @@ def _fork_server(server: Any) -> None:
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()
-        folder = tempfile.mkdtemp(prefix="aioloader-fsrv-")
-        address = os.path.join(folder, "listener")
+        consumer, folder = os.getpid(), ""
         alive_r = alive_w = -1
         try:
+            folder = tempfile.mkdtemp(prefix="aioloader-fsrv-")
+            address = os.path.join(folder, "listener")
             with socket.socket(socket.AF_UNIX) as listener:
                 listener.bind(address)
+                os.chmod(address, 0o600)  # as multiprocessing does (the folder is 0o700 too)
                 listener.listen()
                 alive_r, alive_w = os.pipe()
                 theirs = parts.shared_with_children()
@@ -194,10 +196,13 @@ def _fork_server(server: Any) -> None:
                         _remove_folder(folder)
                         os._exit(code)
         except BaseException:
+            if os.getpid() != consumer:  # pragma: no cover - the server, interrupted before its try
+                os._exit(1)
             for fd in (alive_r, alive_w, *(tracker or ())):
                 if fd >= 0:
                     os.close(fd)
-            _remove_folder(folder)
+            if folder:
+                _remove_folder(folder)
             raise
         os.close(alive_r)
         if tracker is not None:

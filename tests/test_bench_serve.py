@@ -4,11 +4,14 @@ in tests), only that every part ran and that its counts add up."""
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -48,14 +51,59 @@ def test_bench_serve_smallest_run_writes_every_part(tmp_path: Path) -> None:
     assert ovl["worker_items"] <= ovl["admitted"] + 32
 
 
-def test_the_default_ladder_climbs_past_the_compute_bound() -> None:
-    """A ladder that stops short of the bound would cap every knee at its top rate."""
+def _bench_serve() -> Any:
     sys.path.insert(0, str(BENCH.parent))
     try:
         import bench_serve
     finally:
         sys.path.remove(str(BENCH.parent))
-    rates = bench_serve.auto_rates(2974.0)
+    return bench_serve
+
+
+def test_the_default_ladder_climbs_to_twice_the_compute_bound() -> None:
+    """A ladder that stops short of the knees would cap them at its top rate."""
+    rates = _bench_serve().auto_rates(2974.0)
     assert rates[:3] == [100.0, 200.0, 400.0]
-    assert rates[-1] == 3600.0 and rates[-2] < 1.2 * 2974.0 <= rates[-1]
-    assert all(b - a == 200.0 for a, b in zip(rates[1:], rates[2:], strict=False))
+    assert rates[-1] == 6000.0 and rates[-2] < 2 * 2974.0 <= rates[-1]
+    assert all(b - a == 200.0 for a, b in itertools.pairwise(rates[1:]))
+
+
+def test_a_contender_stops_climbing_after_two_misses_and_medians_count_what_it_skipped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The sweep's give-up rule and the medians over repetitions, without timing: the
+    open-loop run is replaced by one whose p99 is a function of the rate."""
+    bs = _bench_serve()
+    offered: list[float] = []
+
+    async def fake_open_loop(call: Any, jpegs: Any, rate: float, n: int) -> dict[str, Any]:
+        offered.append(rate)
+        p99 = 10.0 if rate <= 300 or rate == 500 else 80.0  # a miss, then a pass, then two misses
+        return {"rate": rate, "p50_ms": p99 / 2, "p99_ms": p99, "errors": 0}
+
+    class Idle:
+        def __init__(self, workers: int) -> None:
+            pass
+
+        async def start(self) -> None:
+            pass
+
+        async def call(self, body: bytes) -> None:
+            pass
+
+        async def stop(self) -> None:
+            pass
+
+    monkeypatch.setattr(bs, "open_loop", fake_open_loop)
+    monkeypatch.setitem(bs.MAKERS, "idle", Idle)
+    rates = [100.0, 200.0, 300.0, 400.0, 500.0, 600.0, 700.0, 800.0]
+    rows = asyncio.run(bs.sweep("idle", 2, [b""], rates, 0.1))
+    assert offered == [100.0, 200.0, 300.0, 400.0, 500.0, 600.0, 700.0]  # 600 and 700 missed: stop
+    assert [r["offered"] for r in rows] == [True] * 7 + [False]
+    assert rows[-1]["p99_ms"] is None and bs.best_rate(rows) == 500.0
+    # Medians: a repetition that stopped before a rate counts as slower than any that ran it.
+    fast = [{"rate": 800.0, "p50_ms": 5.0, "p99_ms": 20.0, "errors": 0, "offered": True}]
+    (row,) = bs._median_rows([fast, rows[-1:], fast])
+    assert row["p99_ms"] == 20.0 and row["offered"] == 2
+    (row,) = bs._median_rows([fast, rows[-1:], rows[-1:]])
+    assert row["p99_ms"] is None and row["offered"] == 1

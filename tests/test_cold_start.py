@@ -271,7 +271,7 @@ def test_the_forked_forkserver_forks_the_resource_tracker_which_cleans_up_after_
     assert proc.returncode == 0, proc.stderr[-4000:]
     # The consumer died without removing its temporary folder (the server's socket in
     # it): the server, which outlives it, removes both as it ends.
-    wait_until(lambda: not list(_tmpdir(tmp_path).iterdir()), 30.0, "the dead consumer's pymp-* folder to go")
+    wait_until(lambda: not list(_tmpdir(tmp_path).iterdir()), 30.0, "the dead consumer's server folder to go")
     if when != "after-its-batches":
         assert not os.path.exists(f"/dev/shm/{name}")
         assert "leaked shared_memory" in proc.stderr

@@ -14,10 +14,11 @@ Contenders:
   ``asyncio.Queue`` with an id, a ``StreamLoader`` micro-batches them, a task resolves each
   request's future from its batch.
 
-The offered rates climb from 100 req/s by 200 up to 1.2x the compute bound (what the
-workers do running ``fn`` back to back), measured before the sweeps, so that no knee is
-capped by the ladder; a contender stops climbing after two rates in a row past its knee
-(p99 over 50 ms, or an error).
+The offered rates climb from 100 req/s by 200 up to twice the compute bound (what the
+workers do running ``fn`` back to back), measured before the sweeps; a contender stops
+climbing after two rates in a row past its knee (p99 over 50 ms, or an error), and a
+knee at the top of the ladder is reported as capped. A rate's median counts the
+repetitions that had stopped before it as infinitely slow.
 
 Also measured: the added latency at low load (one request at a time) over ``fn`` itself as
 timed in the worker, for the Batcher and the naive way; and the Batcher under 2x overload
@@ -275,9 +276,10 @@ async def sweep(
 
 
 def auto_rates(bound: float, step: float = 200.0) -> list[float]:
-    """100, 200, then every ``step`` up to 1.2x ``bound`` (the compute bound measured
-    before the sweeps): a ladder that stops short of the bound would cap every knee."""
-    top = step * math.ceil(1.2 * bound / step)
+    """100, 200, then every ``step`` up to twice ``bound`` (the compute bound measured
+    before the sweeps; a contender stops climbing at its knee long before): a ladder that
+    stops short of the knees would cap them, and the bound itself moves between runs."""
+    top = step * math.ceil(2 * bound / step)
     return [100.0, *(step * k for k in range(1, int(top / step) + 1))]
 
 
@@ -423,15 +425,18 @@ def best_rate(rows: list[dict[str, Any]], limit_ms: float = LIMIT_MS) -> float:
 
 
 def _median_rows(reps: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Per rate, the medians over the repetitions (errors summed)."""
+    """Per rate, the medians over the repetitions. A repetition that did not offer the
+    rate (it had stopped climbing) or got no answer at it counts as infinitely slow, so a
+    median is never taken over the faster repetitions alone; a median that is infinite
+    is ``None``. ``offered`` counts the repetitions that ran the rate; errors are summed."""
 
     def med(cells: tuple[dict[str, Any], ...], key: str) -> float | None:
-        vals = [c[key] for c in cells if c[key] is not None]
-        return statistics.median(vals) if vals else None
+        m = statistics.median(math.inf if c[key] is None else c[key] for c in cells)
+        return None if math.isinf(m) else m
 
     return [
         {"rate": cells[0]["rate"], "p50_ms": med(cells, "p50_ms"), "p99_ms": med(cells, "p99_ms"),
-         "errors": sum(c["errors"] for c in cells)}
+         "errors": sum(c["errors"] for c in cells), "offered": sum(c.get("offered", True) for c in cells)}
         for cells in zip(*reps, strict=True)
     ]  # fmt: skip
 
@@ -471,6 +476,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     out["sweeps"] = {n: _median_rows(raw[n]) for n in names}
     out["best_rate_by_rep"] = {n: [best_rate(rows) for rows in raw[n]] for n in names}
     out["best_rate"] = {n: statistics.median(v) for n, v in out["best_rate_by_rep"].items()}
+    # A knee at the top of the ladder is a floor, not a knee: say so.
+    out["capped"] = {n: rates[-1] in v for n, v in out["best_rate_by_rep"].items()}
+    for n, capped in out["capped"].items():
+        if capped:
+            print(f"warning: {n} passed the top rate offered ({rates[-1]:.0f} req/s): its knee is higher", flush=True)
     ratios = [
         b / n for b, n in zip(*(out["best_rate_by_rep"][k] for k in ("batcher", "naive")), strict=True) if n
     ]
@@ -523,7 +533,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--rates",
         default="auto",
-        help="comma-separated offered rates, req/s; 'auto': 100, 200, then every 200 up to 1.2x "
+        help="comma-separated offered rates, req/s; 'auto': 100, 200, then every 200 up to twice "
         "the compute bound measured first",
     )
     ap.add_argument("--seconds", type=float, default=2.0, help="seconds of arrivals per rate")
