@@ -25,7 +25,8 @@ stdout and stderr are flushed before the fork (no buffered text printed twice), 
 the garbage collector's current objects are frozen (workers do not touch their pages).
 Its socket lives in a folder of its own (``aioloader-fsrv-*`` in the temporary
 directory), which the server removes as it ends: also after a consumer that was killed,
-which a socket in multiprocessing's ``pymp-*`` folder would outlast.
+which a socket in multiprocessing's ``pymp-*`` folder would outlast, and when SIGTERM
+ends it (a supervisor stopping the whole process group).
 It holds the consumer's memory as it was at that moment, shared copy-on-write, until
 the consumer exits: memory the consumer frees later stays resident in it. Set
 ``AIOLOADER_FORKSERVER=spawn`` to always use the spawned forkserver.
@@ -188,7 +189,7 @@ def _fork_server(server: Any) -> None:
                     try:
                         os.close(alive_w)
                         parts.neutralize(theirs)
-                        _serve(listener.fileno(), alive_r, tracker)
+                        _serve(listener.fileno(), alive_r, tracker, folder)
                         code = 0
                     except SystemExit:  # forkserver.main's way out, once every client is gone
                         code = 0
@@ -259,7 +260,7 @@ def _track(r: int) -> None:  # pragma: no cover - in the forked tracker
         os._exit(code)
 
 
-def _serve(listener_fd: int, alive_r: int, tracker: tuple[int, int] | None) -> None:  # pragma: no cover
+def _serve(listener_fd: int, alive_r: int, tracker: tuple[int, int] | None, folder: str) -> None:  # pragma: no cover
     global _lock
     # Both locks were held by the fork; workers forked from here inherit these copies.
     _lock = threading.Lock()
@@ -270,12 +271,14 @@ def _serve(listener_fd: int, alive_r: int, tracker: tuple[int, int] | None) -> N
             if callable(signal.getsignal(sig)):
                 signal.signal(sig, signal.SIG_DFL)
     signal.set_wakeup_fd(-1)
+    parts.on_sigterm(lambda: _remove_folder(folder))
     from . import _forkserver_preload  # noqa: F401  (workers ignore SIGINT from birth)
 
     serve_one = forkserver._serve_one  # type: ignore[attr-defined]  # replaced in this process only
     hooks: _Hooks | None = None  # stays None in the spare, which it forks
 
     def worker(*args: Any) -> Any:  # each forked worker takes a name of its own
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the server's cleanup is not a worker's
         _name_process(WORKER_NAME)
         _Hooks.remove()
         if hooks is not None and hooks.tracker_r is not None:  # the tracker's read end, not forked yet

@@ -29,12 +29,16 @@ import atexit
 import contextlib
 import os
 import selectors
+import signal
 import socket
 import types
+from collections.abc import Callable
 from multiprocessing import forkserver, util
 from typing import Any
 
-__all__ = ["Override", "Selector", "arm_exit_hooks", "await_request", "neutralize", "shared_with_children"]
+__all__ = [
+    "Override", "Selector", "arm_exit_hooks", "await_request", "neutralize", "on_sigterm", "shared_with_children",
+]  # fmt: skip
 
 
 
@@ -155,3 +159,20 @@ class Override(types.SimpleNamespace):  # pragma: no cover - in the forked serve
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._module, name)
+
+
+def on_sigterm(cleanup: Callable[[], None]) -> None:  # pragma: no cover - in the forked server
+    """SIGTERM still ends this process as the default action does, after ``cleanup()``. A
+    supervisor that stops a whole process group or cgroup (systemd, Slurm) sends it to
+    the server too. Only in this process: a child forked from it before it set its own
+    disposition (workers set the default at once) just ends."""
+    me = os.getpid()
+
+    def handler(signum: int, frame: Any) -> None:
+        if os.getpid() == me:
+            with contextlib.suppress(Exception):
+                cleanup()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, handler)

@@ -7,8 +7,10 @@ one that script starts, not the test process's.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -359,6 +361,49 @@ def test_the_first_worker_is_the_spare_forked_before_any_request_and_none_is_lef
     # Whatever became of it, nothing outlives the consumer: the spare ends with its server.
     for pid in (spare, out["server"]):
         wait_until(lambda pid=pid: _gone(pid), 30.0, f"process {pid} to exit with its consumer")
+
+
+# A supervisor that stops a job (systemd, Slurm) sends SIGTERM to every process of it:
+# the consumer, its workers and the forked server all end, and the server removes the
+# folder of its socket as it goes.
+SIGTERMED = '''
+import sys
+import aioloader
+from aioloader import _forkserver
+
+if __name__ == "__main__":
+    loader = aioloader.DataLoader(list(range(16)), 4, num_workers=2)
+    batches = [b.tolist() for b in loader]
+    print(_forkserver.server_pid(), *loader.worker_pids(), flush=True)
+    sys.stdin.read()  # until the test stops the whole process group
+'''
+
+
+def test_a_server_stopped_with_its_process_group_by_sigterm_removes_its_folder(tmp_path: Path) -> None:
+    script = tmp_path / "consumer_script.py"
+    script.write_text(SIGTERMED)
+    env = {k: v for k, v in os.environ.items() if k != "AIOLOADER_FORKSERVER"}
+    env["TMPDIR"] = str(_tmpdir(tmp_path))
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        server, *workers = map(int, proc.stdout.readline().split())  # the test's timeout bounds the wait
+        with open(f"/proc/{server}/comm") as f:
+            assert f.read().strip() == "aioloader-fsrv"
+        assert len(workers) == 2
+        assert [p.name[:15] for p in _tmpdir(tmp_path).iterdir()] == ["aioloader-fsrv-"]
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=30) == -signal.SIGTERM
+        for pid in (server, *workers):
+            wait_until(lambda pid=pid: _gone(pid), 30.0, f"process {pid} to end on SIGTERM")
+        assert list(_tmpdir(tmp_path).iterdir()) == []
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()  # waits, and closes both pipes
 
 
 # A child process the consumer feeds through a pipe, started before the first loader:
