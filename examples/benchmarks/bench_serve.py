@@ -243,8 +243,16 @@ async def open_loop(
     }
 
 
+FREEZE = False  # --gc-freeze: freeze the heap once each contender is up, as examples/serve.py does
+
+
 async def warm(c: Contender, jpegs: list[bytes]) -> None:
     await asyncio.gather(*(c.call(j) for j in jpegs[:32]))
+    if FREEZE:
+        # What the contender allocated to start (its pool, its loop's machinery, modules
+        # imported on the way) lives as long as it does: out of the collector's reach.
+        gc.collect()
+        gc.freeze()
 
 
 LIMIT_MS = 50.0  # the knee: the highest rate whose p99 stays under this, with no error
@@ -442,10 +450,9 @@ def _median_rows(reps: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    global FREEZE
     jpegs = make_jpegs(64, args.side)
-    if args.gc_freeze:
-        gc.collect()
-        gc.freeze()
+    FREEZE = args.gc_freeze
     out: dict[str, Any] = {
         "side": args.side, "workers": args.workers, "repeat": args.repeat, "gc_freeze": args.gc_freeze,
     }  # fmt: skip
