@@ -271,11 +271,17 @@ def _serve(listener_fd: int, alive_r: int, tracker: tuple[int, int] | None, fold
             if callable(signal.getsignal(sig)):
                 signal.signal(sig, signal.SIG_DFL)
     signal.set_wakeup_fd(-1)
-    parts.on_sigterm(lambda: _remove_folder(folder))
     from . import _forkserver_preload  # noqa: F401  (workers ignore SIGINT from birth)
 
     serve_one = forkserver._serve_one  # type: ignore[attr-defined]  # replaced in this process only
     hooks: _Hooks | None = None  # stays None in the spare, which it forks
+
+    def at_sigterm() -> None:  # what the server's end does (below), before SIGTERM ends it
+        if hooks is not None:
+            hooks.start_tracker()  # not forked yet: what the consumer registered still gets cleaned up
+        _remove_folder(folder)
+
+    parts.on_sigterm(at_sigterm)
 
     def worker(*args: Any) -> Any:  # each forked worker takes a name of its own
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the server's cleanup is not a worker's

@@ -130,6 +130,20 @@ def descendant_workers(root: int | None = None) -> set[int]:
     return out
 
 
+def group_alive(pgid: int) -> bool:
+    """Whether any process of process group ``pgid`` is alive (zombies do not count)."""
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.getpgid(int(entry)) == pgid:
+                    with open(f"/proc/{entry}/stat") as f:
+                        if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                            return True
+            except (ProcessLookupError, OSError):
+                pass
+    return False
+
+
 def shm_entries() -> set[str]:
     try:
         return {n for n in os.listdir("/dev/shm") if n.startswith(SHM_PREFIX)}

@@ -7,7 +7,6 @@ one that script starts, not the test process's.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import _is_zombie, wait_until
+from .conftest import _is_zombie, group_alive, wait_until
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux")]
 
@@ -388,6 +387,7 @@ def test_a_server_stopped_with_its_process_group_by_sigterm_removes_its_folder(t
         [sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
         start_new_session=True,
     )  # fmt: skip
+    semaphores = _mp_semaphores()
     try:
         assert proc.stdout is not None
         server, *workers = map(int, proc.stdout.readline().split())  # the test's timeout bounds the wait
@@ -400,10 +400,18 @@ def test_a_server_stopped_with_its_process_group_by_sigterm_removes_its_folder(t
         for pid in (server, *workers):
             wait_until(lambda pid=pid: _gone(pid), 30.0, f"process {pid} to end on SIGTERM")
         assert list(_tmpdir(tmp_path).iterdir()) == []
+        # The resource tracker ignores SIGTERM: it outlives the others, then unlinks the
+        # semaphores the dead consumer's pool left registered (killing it would leak them).
+        wait_until(lambda: not group_alive(proc.pid), 30.0, "the resource tracker to clean up and exit")
+        assert _mp_semaphores() - semaphores == set()
     finally:
-        with contextlib.suppress(ProcessLookupError):
+        if group_alive(proc.pid):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()  # waits, and closes both pipes
+
+
+def _mp_semaphores() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("sem.mp-")}
 
 
 # A child process the consumer feeds through a pipe, started before the first loader:

@@ -31,7 +31,7 @@ from ._datasets import (
     first_to_claim,
     wait_to_be_killed,
 )
-from .conftest import ctrl_c, descendant_workers, shm_entries, wait_until, wait_until_async
+from .conftest import ctrl_c, descendant_workers, group_alive, shm_entries, wait_until, wait_until_async
 
 WORKERS = [pytest.param(0, id="thread"), pytest.param(2, id="processes")]
 
@@ -366,20 +366,7 @@ def test_ctrl_c_prints_one_traceback_and_leaves_nothing(tmp_path: Path, face: st
     assert text.count("KeyboardInterrupt") == 1, text
     assert "Traceback" in text and text.count("Traceback (most recent call last)") == 1, text
     # nothing of the group is left
-    wait_until(lambda: not _group_alive(proc.pid), 20.0, "the script's process group to exit")
-
-
-def _group_alive(pgid: int) -> bool:
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if os.getpgid(int(entry)) == pgid:
-                    with open(f"/proc/{entry}/stat") as f:
-                        if f.read().rsplit(")", 1)[1].split()[0] != "Z":
-                            return True
-            except (ProcessLookupError, OSError):
-                pass
-    return False
+    wait_until(lambda: not group_alive(proc.pid), 20.0, "the script's process group to exit")
 
 
 # ----------------------------------------------------------------------- bad parameters
@@ -543,12 +530,12 @@ def test_workers_exit_when_the_consumer_is_killed(tmp_path: Path) -> None:
         wait_until(lambda: not any(_alive(p) for p in pids), 20.0, "orphaned workers to exit")
         # then the consumer's resource tracker exits on its own, unlinking its semaphores
         # (killing it instead would leave them in /dev/shm)
-        wait_until(lambda: not _group_alive(proc.pid), 20.0, "the dead consumer's helpers to exit")
+        wait_until(lambda: not group_alive(proc.pid), 20.0, "the dead consumer's helpers to exit")
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        os.killpg(proc.pid, signal.SIGKILL) if _group_alive(proc.pid) else None
+        os.killpg(proc.pid, signal.SIGKILL) if group_alive(proc.pid) else None
 
 
 def _alive(pid: int) -> bool:
@@ -603,7 +590,7 @@ def _run_exiting(tmp_path: Path, template: str, *args: str) -> tuple[str, str]:
             proc.wait()
     assert proc.returncode == 0, err
     assert "Traceback" not in err, err
-    wait_until(lambda: not _group_alive(proc.pid), 20.0, "the script's processes to exit")
+    wait_until(lambda: not group_alive(proc.pid), 20.0, "the script's processes to exit")
     return out, err
 
 
