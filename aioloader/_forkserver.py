@@ -172,7 +172,7 @@ def _fork_server(server: Any) -> None:
         alive_r = alive_w = -1
         try:
             folder = tempfile.mkdtemp(prefix="aioloader-fsrv-")
-            address = os.path.join(folder, "listener")
+            address = os.path.join(folder, _SOCKET)
             with socket.socket(socket.AF_UNIX) as listener:
                 listener.bind(address)
                 os.chmod(address, 0o600)  # as multiprocessing does (the folder is 0o700 too)
@@ -214,9 +214,12 @@ def _fork_server(server: Any) -> None:
         server._forkserver_pid = pid
 
 
+_SOCKET = "listener"  # the server's socket, in its folder
+
+
 def _remove_folder(folder: str) -> None:
     with contextlib.suppress(OSError):
-        os.unlink(os.path.join(folder, "listener"))
+        os.unlink(os.path.join(folder, _SOCKET))
     with contextlib.suppress(OSError):
         os.rmdir(folder)
 

@@ -170,7 +170,7 @@ class WorkerPool:
             gen = self._gen
             if not (isinstance(payload, _byvalue.Inherited) and gen is not None and token not in gen.tokens):
                 return
-            self._drop(gen, CrashInfo({}, {}))  # nobody's fault: no task is charged
+            self._drop(gen, CrashInfo({}))  # nobody's fault: no task is charged
         gen.retire(grace=0.0)
 
     def unregister(self, token: str) -> None:
@@ -323,7 +323,7 @@ class WorkerPool:
         if gen.owned:
             if job.task_id not in _slots.local_starts:
                 return None
-            self._drop(gen, CrashInfo({}, {}))
+            self._drop(gen, CrashInfo({}))
             gen.abandon_thread()
             how = "the stuck thread was abandoned (it ends when its sample returns)"
         elif isinstance(gen.executor, cf.ThreadPoolExecutor) and fut.cancel():
@@ -356,7 +356,7 @@ class WorkerPool:
                             "a worker of the user-supplied executor died and aioloader may not rebuild "
                             "an executor it does not own; create a new executor and loader"
                         )
-                    return CrashInfo({}, {})  # a stopped task: nothing died
+                    return CrashInfo({})  # a stopped task: nothing died
                 self._drop(gen)
                 gen.retire(grace=0.0)
                 gen.crash = self._conclude(gen)
@@ -373,9 +373,7 @@ class WorkerPool:
             if phase >= Slots.ACCEPTED and task_id >= 0:
                 charged[task_id] = code
         ready = any(phase >= Slots.READY for phase, _, _ in rows.values())
-        info = CrashInfo(
-            charged, dead, startup=gen.processes is not None and not ready and bool(dead or gen.failure)
-        )
+        info = CrashInfo(charged, startup=gen.processes is not None and not ready and bool(dead or gen.failure))
         self._start_failures = self._start_failures + 1 if info.startup else 0
         if self._start_failures >= MAX_START_FAILURES:
             self._start_failures = 0

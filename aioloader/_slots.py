@@ -47,7 +47,6 @@ class CrashInfo:
     """How a generation ended, as far as its tasks are concerned (the pool's verdict)."""
 
     charged: dict[int, int | None]  # task id -> exit code of the worker that died holding it
-    exitcodes: dict[int, int | None]  # pid -> exit code, of the workers that died on their own
     startup: bool = False  # no worker of the generation ever became ready
     fatal: Exception | None = None  # raised to every task that asks
 
