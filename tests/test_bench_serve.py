@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,11 @@ def test_bench_serve_smallest_run_writes_every_part(tmp_path: Path) -> None:
     assert ovl["admitted"] + ovl["rejected"] == ovl["offered"]
     assert ovl["completed"] + ovl["expired"] == ovl["admitted"]
     assert ovl["worker_items"] <= ovl["admitted"] + 32
+    # each refusal over 1 ms is put down to exactly one cause
+    (run,) = result["overload_by_rep"]
+    assert sum(run["rejected_over_1ms_by_cause"].values()) == run["rejected_over_1ms"] <= run["rejected"]
+    slow = result["overload_slow_refusals"]
+    assert slow["over_1ms"] == run["rejected_over_1ms"] and slow["by_cause"] == run["rejected_over_1ms_by_cause"]
 
 
 def _bench_serve() -> Any:
@@ -107,3 +113,31 @@ def test_a_contender_stops_climbing_after_two_misses_and_medians_count_what_it_s
     assert row["p99_ms"] == 20.0 and row["offered"] == 2
     (row,) = bs._median_rows([fast, rows[-1:], rows[-1:]])
     assert row["p99_ms"] is None and row["offered"] == 1
+
+
+def test_a_slow_refusal_is_put_down_to_its_cause() -> None:
+    """``Stretches`` classifies a stretch over 1 ms by what its start mark says changed in
+    it. The marks are made by hand (a start 2 ms ago; context-switch counts set far above
+    or below the thread's own), so no stretch has to be slow and no switch has to happen."""
+    bs = _bench_serve()
+    s = bs.Stretches()
+    causes = ("collector", "blocked", "switched_out", "unseen", "own_code")
+
+    def stop(*, ago: float = 0.002, cpu: float = 0.0, vol: int = 10**9, invol: int = 10**9, gcs: int = 0) -> None:
+        clock, _, _, _, _ = s.start()
+        s.stop((clock - ago, time.thread_time() - cpu, vol, invol, gcs))
+
+    stop(ago=0.0)  # fast: timed, not classified
+    s.collections = 1
+    stop(gcs=0, vol=0, invol=0)  # a collection ran in it (first of the causes checked)
+    s.collections = 0
+    stop(vol=0, invol=0)  # the thread waited in the kernel
+    stop(invol=0)  # the kernel preempted it
+    stop()  # no CPU used, nothing switched: the machine's
+    stop(cpu=1.0)  # a whole second of its own CPU
+    assert len(s.wall) == 6
+    summary = s.summary("rejected")
+    assert summary["rejected_over_1ms"] == 5
+    assert summary["rejected_over_1ms_by_cause"] == dict.fromkeys(causes, 1)
+    assert set(summary["rejected_over_1ms_max_by_cause"]) == set(causes)
+    assert all(v >= 2.0 for v in summary["rejected_over_1ms_max_by_cause"].values())

@@ -38,6 +38,7 @@ import itertools
 import json
 import math
 import multiprocessing
+import resource
 import statistics
 import sys
 import time
@@ -339,16 +340,86 @@ async def low_load(workers: int, jpegs: list[bytes], n: int) -> dict[str, float]
     return out
 
 
-async def overload(workers: int, jpegs: list[bytes], rate: float, seconds: float) -> dict[str, Any]:
+SLOW_S = 0.001  # the refusal target: Overloaded within 1 ms
+_RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
+
+
+class Stretches:
+    """Times short stretches of the event loop's thread (here: refusals), and puts each
+    one over ``SLOW_S`` down to its cause, in this order:
+
+    - ``collector``: the cyclic garbage collector ran inside it (an allocation in it
+      started a collection, which is as long as the young generations are big);
+    - ``blocked``: the thread waited in the kernel (a voluntary context switch: a lock,
+      the GIL, a page brought in);
+    - ``switched_out``: the kernel preempted the thread (for another process) in between;
+    - ``unseen``: the thread used under half of the stretch's time on a CPU and was never
+      switched out: time that the guest kernel does not see (a virtual CPU that its host
+      was running something else on);
+    - ``own_code``: none of those: the stretch's own code was that slow.
+    """
+
+    def __init__(self) -> None:
+        self.wall: list[float] = []
+        self.causes: dict[str, list[float]] = {c: [] for c in ("collector", "blocked", "switched_out", "unseen", "own_code")}
+        self.collections = 0  # the collector's runs so far, counted while installed
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "stop":
+            self.collections += 1
+
+    def __enter__(self) -> Stretches:
+        gc.callbacks.append(self._on_gc)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._on_gc)
+
+    def start(self) -> tuple[float, float, int, int, int]:
+        ru = resource.getrusage(_RUSAGE_THREAD)
+        cpu = time.thread_time()
+        return time.perf_counter(), cpu, ru.ru_nvcsw, ru.ru_nivcsw, self.collections  # the clock last
+
+    def stop(self, mark: tuple[float, float, int, int, int]) -> None:
+        wall = time.perf_counter() - mark[0]  # the clock first
+        self.wall.append(wall)
+        if wall <= SLOW_S:
+            return
+        cpu = time.thread_time() - mark[1]
+        ru = resource.getrusage(_RUSAGE_THREAD)
+        if self.collections > mark[4]:
+            cause = "collector"
+        elif ru.ru_nvcsw > mark[2]:
+            cause = "blocked"
+        elif ru.ru_nivcsw > mark[3]:
+            cause = "switched_out"
+        elif cpu < wall / 2:
+            cause = "unseen"
+        else:
+            cause = "own_code"
+        self.causes[cause].append(wall)
+
+    def summary(self, prefix: str) -> dict[str, Any]:
+        return {
+            f"{prefix}_over_1ms": sum(map(len, self.causes.values())),
+            f"{prefix}_over_1ms_by_cause": {c: len(v) for c, v in self.causes.items()},
+            f"{prefix}_over_1ms_max_by_cause": {c: round(max(v) * 1e3, 3) for c, v in self.causes.items() if v},
+        }
+
+
+async def overload(
+    workers: int, jpegs: list[bytes], rate: float, seconds: float
+) -> dict[str, Any]:
     """Open-loop arrivals at ``rate`` (2x the top rate), each with a budget of 50 ms
     from its scheduled arrival and the default ``max_pending``: the request is submitted
     with ``deadline=`` what is left of the budget when the event loop gets to it (a loop
     busy at 2x overload gets to it late), and the Batcher refuses what it estimates it
     cannot answer in time. Rejection time is measured from the ``submit()`` call to the
-    ``Overloaded``; admitted latency from the scheduled arrival to the answer (a result,
-    or ``DeadlineExceeded`` at the deadline), and also from the ``submit()`` call. The cyclic garbage collector's pauses during
-    the arrivals are recorded too: a pause stops the event loop, service and load
-    generator alike."""
+    ``Overloaded``, and each refusal over 1 ms is put down to its cause (see
+    :class:`Stretches`); admitted latency from the scheduled arrival to the answer
+    (a result, or ``DeadlineExceeded`` at the deadline), and also from the ``submit()``
+    call. The cyclic garbage collector's pauses during the arrivals are recorded too: a
+    pause stops the event loop, service and load generator alike."""
     c = BatcherContender(workers)
     await c.start()
     clock = time.perf_counter
@@ -363,20 +434,21 @@ async def overload(workers: int, jpegs: list[bytes], rate: float, seconds: float
     completed: list[float] = []
     answered: list[float] = []  # every admitted request: its result or its DeadlineExceeded
     from_submit: list[float] = []  # the same, from the submit() call
-    rejected: list[float] = []
+    refusals = Stretches()
     expired = 0
     try:
         await warm(c, jpegs)
 
         async def one(body: bytes, due: float) -> None:
             nonlocal expired
-            t = clock()
+            mark = refusals.start()
+            t = mark[0]
             try:
                 # What is left of the request's budget when the service gets to it, as a
                 # service that propagates its clients' deadlines passes it on.
                 await c.call(body, deadline=max(0.0, DEADLINE_S - (t - due)))
             except aioloader.Overloaded:
-                rejected.append(clock() - t)
+                refusals.stop(mark)
                 return
             except aioloader.DeadlineExceeded:
                 expired += 1
@@ -390,16 +462,14 @@ async def overload(workers: int, jpegs: list[bytes], rate: float, seconds: float
         n = int(rate * seconds)
         gc.callbacks.append(on_gc)
         try:
-            await arrivals(one, jpegs, rate, n)
+            with refusals:
+                await arrivals(one, jpegs, rate, n)
         finally:
             gc.callbacks.remove(on_gc)
         st = c.batcher.stats()
     finally:
         await c.stop()
-
-    def pct(values: list[float], q: float) -> float | None:
-        return float(np.percentile(np.array(values) * 1e3, q)) if values else None
-
+    rejected = refusals.wall
     return {
         "rate": rate,
         "deadline_ms": DEADLINE_S * 1e3,
@@ -420,11 +490,17 @@ async def overload(workers: int, jpegs: list[bytes], rate: float, seconds: float
         "rejected_p50_ms": pct(rejected, 50),
         "rejected_p99_ms": pct(rejected, 99),
         "rejected_max_ms": pct(rejected, 100),
+        **refusals.summary("rejected"),
         "worker_items": sum(k * v for k, v in st.batch_sizes.items()),
         "gc_collections": len(pauses),
         "gc_full_collections": sum(1 for g, _ in pauses if g == 2),
         "gc_max_pause_ms": max((d for _, d in pauses), default=0.0) * 1e3,
     }
+
+
+def pct(values: list[float], q: float) -> float | None:
+    """The ``q``th percentile of ``values`` (seconds), in ms."""
+    return float(np.percentile(np.array(values) * 1e3, q)) if values else None
 
 
 def best_rate(rows: list[dict[str, Any]], limit_ms: float = LIMIT_MS) -> float:
@@ -508,7 +584,17 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     out["overload_by_rep"] = overloads
     out["overload"] = {
         k: statistics.median(r[k] for r in overloads) if all(r[k] is not None for r in overloads) else None
-        for k in overloads[0]
+        for k, v in overloads[0].items()
+        if not isinstance(v, dict)
+    }
+    # The refusals over 1 ms of every repetition, by cause: counts summed, the slowest kept.
+    by_cause = [r["rejected_over_1ms_by_cause"] for r in overloads]
+    slowest = [r["rejected_over_1ms_max_by_cause"] for r in overloads]
+    out["overload_slow_refusals"] = {
+        "refusals": sum(r["rejected"] for r in overloads),
+        "over_1ms": sum(r["rejected_over_1ms"] for r in overloads),
+        "by_cause": {c: sum(d[c] for d in by_cause) for c in by_cause[0]},
+        "max_ms_by_cause": {c: max(d[c] for d in slowest if c in d) for c in set().union(*slowest)},
     }
     return out
 
