@@ -57,6 +57,22 @@ def test_bench_serve_smallest_run_writes_every_part(tmp_path: Path) -> None:
     assert slow["over_1ms"] == run["rejected_over_1ms"] and slow["by_cause"] == run["rejected_over_1ms_by_cause"]
 
 
+
+def test_bench_serve_overload_only_runs_the_overload_part_alone(tmp_path: Path) -> None:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    out = tmp_path / "ovl.json"
+    cmd = [sys.executable, str(BENCH), "--overload-only", "200", "--seconds", "0.3", "--repeat", "2", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert "sweeps" not in result and "low_load" not in result
+    runs = result["overload_by_rep"]
+    assert len(runs) == 2 and all(r["rate"] == 200 and r["offered"] == 60 for r in runs)
+    slow = result["overload_slow_refusals"]
+    assert slow["refusals"] == sum(r["rejected"] for r in runs)
+    assert slow["over_1ms"] == sum(slow["by_cause"].values()) == sum(r["rejected_over_1ms"] for r in runs)
+
 def _bench_serve() -> Any:
     sys.path.insert(0, str(BENCH.parent))
     try:
