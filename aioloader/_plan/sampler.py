@@ -24,6 +24,7 @@ from typing import Any, Literal, Protocol, TypeVar, overload
 import numpy as np
 from numpy.typing import NDArray
 
+from .._validate import check_int
 from .indices import batch_sampler_batches, check_length, dataset_length, sampler_order
 from .permute import IndexShuffle
 
@@ -290,9 +291,7 @@ class BatchPlanner:
         shard_policy: ShardPolicy,
     ) -> None:
         self.length = check_length(length, "len(dataset)")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
-        self.batch_size = batch_size
+        self.batch_size = check_int("batch_size", batch_size, 1)
         self.shuffle = shuffle
         self.sampler = sampler
         self.batch_sampler = batch_sampler

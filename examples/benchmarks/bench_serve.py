@@ -624,7 +624,7 @@ def chart(result: dict[str, Any], path: str) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("offered load, requests/s (open loop)")
     ax.set_ylabel("p99 latency, ms (log)")
-    ax.set_title(f"One JPEG per request, decode + resize, {result['workers']} workers")
+    ax.set_title(f"One {result['side']}x{result['side']} JPEG per request, decode + resize, {result['workers']} workers")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
