@@ -5,6 +5,7 @@ in tests), only that every part ran and that its counts add up."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import json
 import os
@@ -133,27 +134,64 @@ def test_a_contender_stops_climbing_after_two_misses_and_medians_count_what_it_s
 
 def test_a_slow_refusal_is_put_down_to_its_cause() -> None:
     """``Stretches`` classifies a stretch over 1 ms by what its start mark says changed in
-    it. The marks are made by hand (a start 2 ms ago; context-switch counts set far above
-    or below the thread's own), so no stretch has to be slow and no switch has to happen."""
+    it. The marks are made by hand: a start 2 ms ago (or 1 s ahead, for a fast one), and
+    context-switch counts far above the thread's own (nothing switched) or below zero
+    (switched), so no stretch has to be slow and no switch has to happen."""
     bs = _bench_serve()
     s = bs.Stretches()
-    causes = ("collector", "blocked", "switched_out", "unseen", "own_code")
+    with s:  # the collector's runs are counted while installed
+        gc.collect()
+    assert s.collections >= 1
+    s.collections = 0
 
     def stop(*, ago: float = 0.002, cpu: float = 0.0, vol: int = 10**9, invol: int = 10**9, gcs: int = 0) -> None:
         clock, _, _, _, _ = s.start()
         s.stop((clock - ago, time.thread_time() - cpu, vol, invol, gcs))
 
-    stop(ago=0.0)  # fast: timed, not classified
+    stop(ago=-1.0)  # fast: timed, not classified
     s.collections = 1
-    stop(gcs=0, vol=0, invol=0)  # a collection ran in it (first of the causes checked)
+    stop(gcs=0, vol=-1, invol=-1)  # a collection ran in it (the first of the causes checked)
     s.collections = 0
-    stop(vol=0, invol=0)  # the thread waited in the kernel
-    stop(invol=0)  # the kernel preempted it
-    stop()  # no CPU used, nothing switched: the machine's
+    stop(vol=-1, invol=-1)  # the thread waited in the kernel
+    stop(invol=-1)  # the kernel preempted it
+    stop()  # no CPU used, nothing switched: not accounted to the thread
     stop(cpu=1.0)  # a whole second of its own CPU
     assert len(s.wall) == 6
     summary = s.summary("rejected")
     assert summary["rejected_over_1ms"] == 5
-    assert summary["rejected_over_1ms_by_cause"] == dict.fromkeys(causes, 1)
-    assert set(summary["rejected_over_1ms_max_by_cause"]) == set(causes)
+    assert summary["rejected_over_1ms_by_cause"] == dict.fromkeys(bs.Stretches.CAUSES, 1)
+    assert set(summary["rejected_over_1ms_max_by_cause"]) == set(bs.Stretches.CAUSES)
     assert all(v >= 2.0 for v in summary["rejected_over_1ms_max_by_cause"].values())
+    detail = summary["rejected_over_1ms_detail"]
+    assert [d["cause"] for d in detail] == list(bs.Stretches.CAUSES)
+    assert detail[0]["collections"] == 1 and detail[1]["voluntary_switches"] > 0
+    assert detail[2]["involuntary_switches"] > 0 and detail[4]["cpu_ms"] >= 1000
+
+
+def test_overload_repetitions_merge_into_medians_and_summed_causes() -> None:
+    bs = _bench_serve()
+
+    def run(rejected: int, p99: float | None, causes: dict[str, int], slowest: dict[str, float]) -> dict[str, Any]:
+        return {
+            "rate": 6400.0, "rejected": rejected, "rejected_p99_ms": p99,
+            "rejected_over_1ms": sum(causes.values()),
+            "rejected_over_1ms_by_cause": {c: causes.get(c, 0) for c in bs.Stretches.CAUSES},
+            "rejected_over_1ms_max_by_cause": slowest,
+            "rejected_over_1ms_detail": [{"cause": c} for c, n in causes.items() for _ in range(n)],
+        }  # fmt: skip
+
+    runs = [
+        run(100, 0.03, {"switched_out": 2}, {"switched_out": 3.0}),
+        run(300, 0.05, {}, {}),
+        run(200, None, {"collector": 1, "switched_out": 1}, {"collector": 1.2, "switched_out": 4.0}),
+    ]
+    merged = bs.merge_overloads(runs)
+    assert merged["overload"]["rejected"] == 200 and merged["overload"]["rate"] == 6400.0
+    assert merged["overload"]["rejected_p99_ms"] is None  # one repetition had none to give
+    assert "rejected_over_1ms_by_cause" not in merged["overload"]
+    assert "rejected_over_1ms_detail" not in merged["overload"]
+    slow = merged["overload_slow_refusals"]
+    assert slow["refusals"] == 600 and slow["over_1ms"] == 4
+    assert slow["by_cause"] == {**dict.fromkeys(bs.Stretches.CAUSES, 0), "collector": 1, "switched_out": 3}
+    assert slow["max_ms_by_cause"] == {"collector": 1.2, "switched_out": 4.0}
+    assert list(slow["max_ms_by_cause"]) == ["collector", "switched_out"]  # in the causes' order

@@ -29,6 +29,7 @@ WORKER_SIDE = [
     "_worker_info.py",
     "_serve_worker.py",
     "_seeding.py",
+    "_validate.py",
     "_collate.py",
     "_plan/*.py",
     "errors.py",

@@ -26,7 +26,7 @@ with a 50 ms deadline per request (admission by the estimated answer time), each
 over 1 ms put down to its cause (see ``Stretches``).
 
     python examples/benchmarks/bench_serve.py --repeat 3 --gc-freeze --json serve.json --png docs/serving.png
-    python examples/benchmarks/bench_serve.py --overload-only 6400 --repeat 8 --gc-freeze --json ovl.json
+    python examples/benchmarks/bench_serve.py --overload-only 6400 --repeat 10 --gc-freeze --json ovl.json
 """
 
 from __future__ import annotations
@@ -208,6 +208,8 @@ async def arrivals(
         if not left and not done.done():
             done.set_result(None)
 
+    if n <= 0:
+        return
     t0 = clock()
     for k in range(n):
         due = t0 + k / rate
@@ -348,7 +350,7 @@ _RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
 
 class Stretches:
     """Times short stretches of the event loop's thread (here: refusals), and puts each
-    one over ``SLOW_S`` down to its cause, in this order:
+    one over ``SLOW_S`` down to a cause, the first of these that its counts show:
 
     - ``collector``: the cyclic garbage collector ran inside it (an allocation in it
       started a collection, which is as long as the young generations are big);
@@ -356,14 +358,20 @@ class Stretches:
       the GIL, a page brought in);
     - ``switched_out``: the kernel preempted the thread (for another process) in between;
     - ``unseen``: the thread used under half of the stretch's time on a CPU and was never
-      switched out: time that the guest kernel does not see (a virtual CPU that its host
-      was running something else on);
+      switched out: time the kernel did not account to it (the host running something
+      else on the virtual CPU, or interrupts);
     - ``own_code``: none of those: the stretch's own code was that slow.
+
+    A cause says what happened inside the stretch, not that nothing else did: each slow
+    stretch's own counts (CPU time, switches, collections) are kept in ``slow`` too.
+    Without ``RUSAGE_THREAD`` (not Linux) the switch counts are the whole process's.
     """
+
+    CAUSES = ("collector", "blocked", "switched_out", "unseen", "own_code")
 
     def __init__(self) -> None:
         self.wall: list[float] = []
-        self.causes: dict[str, list[float]] = {c: [] for c in ("collector", "blocked", "switched_out", "unseen", "own_code")}
+        self.slow: list[dict[str, Any]] = []
         self.collections = 0  # the collector's runs so far, counted while installed
 
     def _on_gc(self, phase: str, info: dict[str, int]) -> None:
@@ -389,36 +397,48 @@ class Stretches:
             return
         cpu = time.thread_time() - mark[1]
         ru = resource.getrusage(_RUSAGE_THREAD)
-        if self.collections > mark[4]:
+        counts = {
+            "ms": round(wall * 1e3, 3),
+            "cpu_ms": round(cpu * 1e3, 3),
+            "collections": self.collections - mark[4],
+            "voluntary_switches": ru.ru_nvcsw - mark[2],
+            "involuntary_switches": ru.ru_nivcsw - mark[3],
+        }
+        if counts["collections"] > 0:
             cause = "collector"
-        elif ru.ru_nvcsw > mark[2]:
+        elif counts["voluntary_switches"] > 0:
             cause = "blocked"
-        elif ru.ru_nivcsw > mark[3]:
+        elif counts["involuntary_switches"] > 0:
             cause = "switched_out"
         elif cpu < wall / 2:
             cause = "unseen"
         else:
             cause = "own_code"
-        self.causes[cause].append(wall)
+        self.slow.append({"cause": cause, **counts})
 
     def summary(self, prefix: str) -> dict[str, Any]:
+        by_cause = {c: [d["ms"] for d in self.slow if d["cause"] == c] for c in self.CAUSES}
         return {
-            f"{prefix}_over_1ms": sum(map(len, self.causes.values())),
-            f"{prefix}_over_1ms_by_cause": {c: len(v) for c, v in self.causes.items()},
-            f"{prefix}_over_1ms_max_by_cause": {c: round(max(v) * 1e3, 3) for c, v in self.causes.items() if v},
+            f"{prefix}_over_1ms": len(self.slow),
+            f"{prefix}_over_1ms_by_cause": {c: len(v) for c, v in by_cause.items()},
+            f"{prefix}_over_1ms_max_by_cause": {c: max(v) for c, v in by_cause.items() if v},
+            f"{prefix}_over_1ms_detail": self.slow,
+            "thread_switch_counts": _RUSAGE_THREAD != resource.RUSAGE_SELF,
         }
 
 
 async def overload(
     workers: int, jpegs: list[bytes], rate: float, seconds: float
 ) -> dict[str, Any]:
-    """Open-loop arrivals at ``rate`` (2x the top rate), each with a budget of 50 ms
+    """Open-loop arrivals at ``rate`` (in a full run, twice the Batcher's median knee;
+    ``--overload-only``: the rate given), each with a budget of 50 ms
     from its scheduled arrival and the default ``max_pending``: the request is submitted
     with ``deadline=`` what is left of the budget when the event loop gets to it (a loop
     busy at 2x overload gets to it late), and the Batcher refuses what it estimates it
     cannot answer in time. Rejection time is measured from the ``submit()`` call to the
     ``Overloaded``, and each refusal over 1 ms is put down to its cause (see
-    :class:`Stretches`); admitted latency from the scheduled arrival to the answer
+    :class:`Stretches`: one ``getrusage`` and one ``thread_time`` call per request, a
+    few microseconds of the loop's time); admitted latency from the scheduled arrival to the answer
     (a result, or ``DeadlineExceeded`` at the deadline), and also from the ``submit()``
     call. The cyclic garbage collector's pauses during the arrivals are recorded too: a
     pause stops the event loop, service and load generator alike."""
@@ -534,8 +554,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {
         "side": args.side, "workers": args.workers, "repeat": args.repeat, "gc_freeze": args.gc_freeze,
     }  # fmt: skip
-    if args.overload_only:
-        return {**out, **await overloads(args, args.overload_only)}
+    if args.overload_only is not None:
+        return {**out, **await overloads(args, jpegs, args.overload_only)}
     if args.rates == "auto":
         out["ladder_bound"] = await compute_bound(args.workers, args.side, 2 * args.seconds)
         rates = auto_rates(out["ladder_bound"])
@@ -584,19 +604,23 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     out["low_load_by_rep"] = lows
     out["low_load"] = {k: statistics.median(r[k] for r in lows) for k in lows[0]}
     top = out["best_rate"]["batcher"] or rates[-1]
-    out.update(await overloads(args, 2 * top))
+    out.update(await overloads(args, jpegs, 2 * top))
     return out
 
 
-async def overloads(args: argparse.Namespace, rate: float) -> dict[str, Any]:
+async def overloads(args: argparse.Namespace, jpegs: list[bytes], rate: float) -> dict[str, Any]:
     """``--repeat`` overload runs at ``rate``: the medians, and every slow refusal by cause."""
-    jpegs = make_jpegs(64, args.side)
     runs = [await overload(args.workers, jpegs, rate, args.seconds) for _ in range(args.repeat)]
-    out: dict[str, Any] = {"overload_by_rep": runs}
+    return {"overload_by_rep": runs, **merge_overloads(runs)}
+
+
+def merge_overloads(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The repetitions' medians (numbers), and their refusals over 1 ms by cause, summed."""
+    out: dict[str, Any] = {}
     out["overload"] = {
         k: statistics.median(r[k] for r in runs) if all(r[k] is not None for r in runs) else None
         for k, v in runs[0].items()
-        if not isinstance(v, dict)
+        if v is None or isinstance(v, (int, float))
     }
     # The refusals over 1 ms of every repetition, by cause: counts summed, the slowest kept.
     by_cause = [r["rejected_over_1ms_by_cause"] for r in runs]
@@ -605,7 +629,7 @@ async def overloads(args: argparse.Namespace, rate: float) -> dict[str, Any]:
         "refusals": sum(r["rejected"] for r in runs),
         "over_1ms": sum(r["rejected_over_1ms"] for r in runs),
         "by_cause": {c: sum(d[c] for d in by_cause) for c in by_cause[0]},
-        "max_ms_by_cause": {c: max(d[c] for d in slowest if c in d) for c in set().union(*slowest)},
+        "max_ms_by_cause": {c: max(d[c] for d in slowest if c in d) for c in by_cause[0] if any(c in d for d in slowest)},
     }
     return out
 
@@ -656,6 +680,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json")
     ap.add_argument("--png")
     args = ap.parse_args(argv)
+    if args.overload_only is not None:
+        if args.overload_only * args.seconds < 1:
+            ap.error("--overload-only: RATE times --seconds must be at least one request")
+        if args.png:
+            ap.error("--png charts the sweeps, which --overload-only does not run")
     import uvloop
 
     result = uvloop.run(main_async(args))
@@ -663,7 +692,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
-    if args.png and "sweeps" in result:
+    if args.png:
         chart(result, args.png)
     return 0
 
