@@ -23,14 +23,21 @@ BENCH = ROOT / "examples" / "benchmarks" / "bench_serve.py"
 pytestmark = pytest.mark.timeout(120)
 
 
-def test_bench_serve_smallest_run_writes_every_part(tmp_path: Path) -> None:
+def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    out = tmp_path / "serve.json"
-    cmd = [sys.executable, str(BENCH), "--rates", "50", "--seconds", "0.4", "--repeat", "1", "--json", str(out)]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=100)
+    cmd = [sys.executable, str(BENCH), *args, "--json", str(tmp_path / "out.json")]
+    return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=100)
+
+
+def _result(tmp_path: Path, *args: str) -> Any:
+    proc = _run(tmp_path, *args)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+    return json.loads((tmp_path / "out.json").read_text())
+
+
+def test_bench_serve_smallest_run_writes_every_part(tmp_path: Path) -> None:
+    result = _result(tmp_path, "--rates", "50", "--seconds", "0.4", "--repeat", "1")
     for name in ("batcher", "naive", "stream"):
         (row,) = result["sweeps"][name]
         assert row["rate"] == 50 and row["errors"] == 0 and row["p99_ms"] is not None
@@ -58,21 +65,18 @@ def test_bench_serve_smallest_run_writes_every_part(tmp_path: Path) -> None:
     assert slow["over_1ms"] == run["rejected_over_1ms"] and slow["by_cause"] == run["rejected_over_1ms_by_cause"]
 
 
-
 def test_bench_serve_overload_only_runs_the_overload_part_alone(tmp_path: Path) -> None:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    out = tmp_path / "ovl.json"
-    cmd = [sys.executable, str(BENCH), "--overload-only", "200", "--seconds", "0.3", "--repeat", "2", "--json", str(out)]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=100)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+    result = _result(tmp_path, "--overload-only", "200", "--seconds", "0.3", "--repeat", "2")
     assert "sweeps" not in result and "low_load" not in result
     runs = result["overload_by_rep"]
     assert len(runs) == 2 and all(r["rate"] == 200 and r["offered"] == 60 for r in runs)
     slow = result["overload_slow_refusals"]
     assert slow["refusals"] == sum(r["rejected"] for r in runs)
     assert slow["over_1ms"] == sum(slow["by_cause"].values()) == sum(r["rejected_over_1ms"] for r in runs)
+    # a run of less than one request, or a chart of sweeps it does not run, is refused up front
+    for args in (("--overload-only", "0.4", "--seconds", "2"), ("--overload-only", "200", "--png", "x.png")):
+        proc = _run(tmp_path, *args)
+        assert proc.returncode == 2 and "--overload-only" in proc.stderr
 
 def _bench_serve() -> Any:
     sys.path.insert(0, str(BENCH.parent))
