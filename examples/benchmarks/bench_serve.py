@@ -26,7 +26,7 @@ with a 50 ms deadline per request (admission by the estimated answer time), each
 over 1 ms put down to its cause (see ``Stretches``).
 
     python examples/benchmarks/bench_serve.py --repeat 3 --gc-freeze --json serve.json --png docs/serving.png
-    python examples/benchmarks/bench_serve.py --overload-only 6400 --repeat 10 --gc-freeze --json ovl.json
+    python examples/benchmarks/bench_serve.py --overload-only 6400 --repeat 20 --gc-freeze --json ovl.json
 """
 
 from __future__ import annotations
