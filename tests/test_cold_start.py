@@ -93,9 +93,10 @@ def _consume(tmp_path: Path, face: str, mode: str, env: dict[str, str] | None = 
     script.write_text(textwrap.dedent(CONSUMER))
     log = tmp_path / "imports.log"
     log.unlink(missing_ok=True)
-    run_env = {**os.environ, "PROBE_LOG": str(log), "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
-    run_env.pop("AIOLOADER_FORKSERVER", None)
-    run_env.update(env or {})
+    run_env = {
+        **_consumer_env(tmp_path), "PROBE_LOG": str(log), "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path]),
+        **(env or {}),
+    }  # fmt: skip
     proc = subprocess.run(
         [sys.executable, str(script), face, mode], capture_output=True, text=True, timeout=150, env=run_env, check=False
     )
@@ -200,6 +201,17 @@ def comm(pid):
 def children(pid):
     with open(f"/proc/{pid}/task/{pid}/children") as f:
         return [int(k) for k in f.read().split()]
+
+def poll(get, what, timeout=30.0):
+    """get()'s first truthy value: a bounded poll of /proc (a process appearing or being
+    reaped has no event to wait on), ending the script with what never came."""
+    import time
+    deadline = time.monotonic() + timeout
+    while not (value := get()):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.005)
+    return value
 '''
 
 
@@ -208,15 +220,21 @@ def _tmpdir(tmp_path: Path) -> Path:
     return tmp_path / "tmp"
 
 
+def _consumer_env(tmp_path: Path) -> dict[str, str]:
+    """A consumer script's environment: the forked forkserver allowed, and temporary
+    folders (the server's socket) under ``tmp_path``, where a test can look for what a
+    consumer left behind."""
+    env = {k: v for k, v in os.environ.items() if k != "AIOLOADER_FORKSERVER"}
+    env["TMPDIR"] = str(_tmpdir(tmp_path))
+    return env
+
+
 def _run(tmp_path: Path, script: str, *args: str) -> subprocess.CompletedProcess[str]:
     """Run a consumer script (``{helpers}`` in it replaced by :data:`PROC_HELPERS`) in a
-    fresh interpreter with the forked forkserver allowed."""
+    fresh interpreter with :func:`_consumer_env`."""
     path = tmp_path / "consumer_script.py"
     path.write_text(script.replace("{helpers}", PROC_HELPERS))
-    env = {k: v for k, v in os.environ.items() if k != "AIOLOADER_FORKSERVER"}
-    # multiprocessing's temporary folders (the forkserver's socket) go under tmp_path,
-    # where a test can look for what a consumer left behind.
-    env["TMPDIR"] = str(_tmpdir(tmp_path))
+    env = _consumer_env(tmp_path)
     # A forked tracker inherits the consumer's stderr: the run ends once it has exited.
     return subprocess.run(
         [sys.executable, str(path), *args], capture_output=True, text=True, timeout=150, env=env, check=False
@@ -240,14 +258,14 @@ from aioloader import _forkserver
         # a consumer that asks for no worker must be cleaned up after all the same,
         # whether it dies at once or lives on idle.
         server = _forkserver.server_pid()
-        while sys.argv[2] == "idle" and not any(comm(k) == "aioloader-trk" for k in children(server)):
-            time.sleep(0.005)  # a poll of /proc until the tracker is there (the test's timeout bounds it)
+        if sys.argv[2] == "idle":
+            poll(lambda: any(comm(k) == "aioloader-trk" for k in children(server)), "the tracker")
         leak = shared_memory.SharedMemory(name=sys.argv[1], create=True, size=4096)
         os._exit(0)
     batches = [b.tolist() for b in loader]
     server = _forkserver.server_pid()
-    while not (trackers := [k for k in children(server) if comm(k) == "aioloader-trk"]):
-        time.sleep(0.005)  # forked 0.1 s after the last request: a poll of /proc (the test's timeout bounds it)
+    trackers = poll(lambda: [k for k in children(server) if comm(k) == "aioloader-trk"],
+                    "the tracker, forked 0.1 s after the last request")
     with open(f"/proc/{trackers[0]}/cmdline", "rb") as f:
         cmdline = f.read().replace(b"\\0", b" ").decode()
     leak = shared_memory.SharedMemory(name=sys.argv[1], create=True, size=4096)
@@ -315,15 +333,12 @@ if __name__ == "__main__":
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     loader = aioloader.DataLoader(list(range(16)), 4, num_workers=2, worker_init_fn=note_exit)
     server = _forkserver.server_pid()
-    deadline = time.monotonic() + 30  # the server forks it as it starts (a poll of /proc, not a sleep)
-    while not (spares := [k for k in children(server) if comm(k) == "aioloader-spare"]) and time.monotonic() < deadline:
-        time.sleep(0.005)
+    spares = poll(lambda: [k for k in children(server) if comm(k) == "aioloader-spare"],
+                  "the spare, which the server forks as it starts")
     out = {"server": server, "spares": spares}
     if sys.argv[1] == "killed":
         os.kill(spares[0], signal.SIGKILL)
-        deadline = time.monotonic() + 30  # until the server has reaped it (not a sleep: a poll of /proc)
-        while os.path.exists(f"/proc/{spares[0]}") and time.monotonic() < deadline:
-            time.sleep(0.005)
+        poll(lambda: not os.path.exists(f"/proc/{spares[0]}"), "the server to reap the killed spare")
     if sys.argv[1] != "unused":
         out["batches"] = [b.tolist() for b in loader]
         out["workers"] = loader.worker_pids()
@@ -381,10 +396,9 @@ if __name__ == "__main__":
 def test_a_server_stopped_with_its_process_group_by_sigterm_removes_its_folder(tmp_path: Path) -> None:
     script = tmp_path / "consumer_script.py"
     script.write_text(SIGTERMED)
-    env = {k: v for k, v in os.environ.items() if k != "AIOLOADER_FORKSERVER"}
-    env["TMPDIR"] = str(_tmpdir(tmp_path))
     proc = subprocess.Popen(
-        [sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+        [sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        env=_consumer_env(tmp_path),
         start_new_session=True,
     )  # fmt: skip
     semaphores = _mp_semaphores()

@@ -365,6 +365,7 @@ class Stretches:
     A cause says what happened inside the stretch, not that nothing else did: each slow
     stretch's own counts (CPU time, switches, collections) are kept in ``slow`` too.
     Without ``RUSAGE_THREAD`` (not Linux) the switch counts are the whole process's.
+    While installed (``with``), it also records every collection's pause, in ``pauses``.
     """
 
     CAUSES = ("collector", "blocked", "switched_out", "unseen", "own_code")
@@ -372,11 +373,18 @@ class Stretches:
     def __init__(self) -> None:
         self.wall: list[float] = []
         self.slow: list[dict[str, Any]] = []
-        self.collections = 0  # the collector's runs so far, counted while installed
+        self.pauses: list[tuple[int, float]] = []  # (generation, seconds) of each collection
+        self._began = 0.0
+
+    @property
+    def collections(self) -> int:
+        return len(self.pauses)
 
     def _on_gc(self, phase: str, info: dict[str, int]) -> None:
-        if phase == "stop":
-            self.collections += 1
+        if phase == "start":
+            self._began = time.perf_counter()
+        else:
+            self.pauses.append((info["generation"], time.perf_counter() - self._began))
 
     def __enter__(self) -> Stretches:
         gc.callbacks.append(self._on_gc)
@@ -445,14 +453,6 @@ async def overload(
     c = BatcherContender(workers)
     await c.start()
     clock = time.perf_counter
-    pauses: list[tuple[int, float]] = []  # (generation, seconds)
-    began = [0.0]
-
-    def on_gc(phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            began[0] = clock()
-        else:
-            pauses.append((info["generation"], clock() - began[0]))
     completed: list[float] = []
     answered: list[float] = []  # every admitted request: its result or its DeadlineExceeded
     from_submit: list[float] = []  # the same, from the submit() call
@@ -482,16 +482,12 @@ async def overload(
             from_submit.append(clock() - t)
 
         n = int(rate * seconds)
-        gc.callbacks.append(on_gc)
-        try:
-            with refusals:
-                await arrivals(one, jpegs, rate, n)
-        finally:
-            gc.callbacks.remove(on_gc)
+        with refusals:  # (and the collector's pauses)
+            await arrivals(one, jpegs, rate, n)
         st = c.batcher.stats()
     finally:
         await c.stop()
-    rejected = refusals.wall
+    rejected, pauses = refusals.wall, refusals.pauses
     return {
         "rate": rate,
         "deadline_ms": DEADLINE_S * 1e3,
