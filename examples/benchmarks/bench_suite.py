@@ -4,9 +4,12 @@ Runs, interleaved (A B C D, A B C D, ...), on the same data and worker count:
 
 - ``aioloader``: ``aioloader.DataLoader`` with its defaults (forkserver workers, shared-memory
   transport, next-epoch prefetch);
+- ``torch-numpy``: ``torch.utils.data.DataLoader`` at its best for the output aioloader
+  gives: ``persistent_workers=True`` and ``collate_fn=aioloader.default_collate``, so
+  its batches are numpy arrays, as aioloader's are (no tensors through shared memory);
 - ``torch-persistent`` and ``torch``: ``torch.utils.data.DataLoader`` with
   ``persistent_workers=True`` / ``False`` (default ``fork`` start method, default
-  ``prefetch_factor``, numpy samples collated by torch);
+  ``prefetch_factor``, numpy samples collated by torch into tensors);
 - ``grain`` and ``spdl``: Grain's ``MapDataset`` pipeline with ``mp_prefetch`` and SPDL's
   ``spdl.pipeline`` with a process pool, both on their numpy paths, with the same 2 worker
   processes; their configurations, and why, are in ``_bench_peers.py``. A peer whose
@@ -74,7 +77,7 @@ if str(HERE) not in sys.path:
 
 import _bench_proc  # noqa: E402  (beside this script)
 
-TORCH_LOADERS = ("torch-persistent", "torch")
+TORCH_LOADERS = ("torch-numpy", "torch-persistent", "torch")
 # The other loaders users weigh: the best of these and torch's is "the best peer".
 PEERS = ("grain", "spdl", "spdl-threads")
 # The loaders each workload runs, in interleaving order. The tiny workload also runs
@@ -82,15 +85,15 @@ PEERS = ("grain", "spdl", "spdl-threads")
 # generators costs on samples this cheap); the epoch-boundary workload also runs
 # it with ``prefetch_next_epoch=False``, to show what the next-epoch prefetch buys.
 WORKLOAD_LOADERS: dict[str, tuple[str, ...]] = {
-    "jpeg": ("aioloader", "aioloader-auto", "torch-persistent", "torch", "grain", "spdl", "bound"),
+    "jpeg": ("aioloader", "aioloader-auto", "torch-numpy", "torch-persistent", "torch", "grain", "spdl", "bound"),
     "tiny": (
-        "aioloader", "aioloader-auto", "aioloader-noseed", "torch-persistent", "torch", "grain", "spdl", "bound",
+        "aioloader", "aioloader-auto", "aioloader-noseed", "torch-numpy", "torch-persistent", "torch", "grain", "spdl", "bound",
     ),
-    "boundary": ("aioloader", "aioloader-noprefetch", "torch-persistent", "torch", "grain", "spdl"),
+    "boundary": ("aioloader", "aioloader-noprefetch", "torch-numpy", "torch-persistent", "torch", "grain", "spdl"),
     "dispatch": (
-        "aioloader", "aioloader-auto", "aioloader-p16", "torch-persistent", "torch", "grain", "spdl", "bound",
+        "aioloader", "aioloader-auto", "aioloader-p16", "torch-numpy", "torch-persistent", "torch", "grain", "spdl", "bound",
     ),
-    "cold": ("aioloader", "aioloader-spawned", "torch-persistent", "torch", "grain", "spdl"),
+    "cold": ("aioloader", "aioloader-spawned", "torch-numpy", "torch-persistent", "torch", "grain", "spdl"),
 }
 LOADER_KWARGS: dict[str, dict[str, Any]] = {
     "aioloader-noseed": {"seed_samples": False},
@@ -190,6 +193,15 @@ def _count(batch: Any) -> int:
     return len(batch)
 
 
+def _torch_collate(kind: str) -> dict[str, Any]:
+    """``torch-numpy`` collates into numpy, as aioloader and SPDL do here."""
+    if kind != "torch-numpy":
+        return {}
+    from aioloader import default_collate
+
+    return {"collate_fn": default_collate}
+
+
 def _run_loader(spec: dict[str, Any]) -> dict[str, Any]:
     """One loader, ``epochs`` epochs back to back, as a training loop would run them."""
     kind = spec["loader"]
@@ -204,7 +216,8 @@ def _run_loader(spec: dict[str, Any]) -> dict[str, Any]:
             batch_size=spec["batch_size"],
             shuffle=True,
             num_workers=WORKERS,
-            persistent_workers=kind == "torch-persistent",
+            persistent_workers=kind != "torch",
+            **_torch_collate(kind),
         )
     elif kind in PEERS:
         import _bench_peers
@@ -585,6 +598,7 @@ def draw_png(results: dict[str, Any], path: Path) -> None:
         "aioloader-p16": "#5499c7",
         "aioloader-auto": "#1b4f72",
         "aioloader-spawned": "#a9cce3",
+        "torch-numpy": "#a04000",
         "torch-persistent": "#e08a2c",
         "torch": "#f2c14e",
         "grain": "#3a9e5c",
