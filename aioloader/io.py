@@ -33,12 +33,24 @@ import os
 import aiofiles.os
 
 from ._formats import publish
+from ._formats.objstore import BucketNotFoundError as BucketNotFoundError
+from ._formats.objstore import NoCredentialsError as NoCredentialsError
 from ._formats.objstore import ObjectStore as ObjectStore
 from ._formats.objstore import ObjectStoreError as ObjectStoreError
+from ._formats.objstore import StoreSetupError as StoreSetupError
 from ._formats.objstore import StoreTimeoutError as StoreTimeoutError
 from ._formats.objstore import TransientStoreError as TransientStoreError
 
-__all__ = ["ObjectStore", "ObjectStoreError", "StoreTimeoutError", "TransientStoreError", "read_file"]
+__all__ = [
+    "BucketNotFoundError",
+    "NoCredentialsError",
+    "ObjectStore",
+    "ObjectStoreError",
+    "StoreSetupError",
+    "StoreTimeoutError",
+    "TransientStoreError",
+    "read_file",
+]
 
 StrPath = str | os.PathLike[str]
 
