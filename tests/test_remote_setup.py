@@ -293,3 +293,32 @@ def test_other_failures_keep_their_classes(s3: S3Server) -> None:
         store.get_range_sync("000.jpg", 10**6, 10**6 + 1)
     assert type(info.value) is ObjectStoreError and info.value.status == 416
     _from_obstore(info.value)
+
+
+def test_azure_without_credentials_lists_its_sources(
+    metadata_403: tuple[str, list[tuple[str, str]]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # No Azure server here: the token request fails first, at a loopback stand-in for the
+    # managed-identity endpoint, and the store's own endpoint is a loopback port too.
+    for name in list(os.environ):
+        if name.startswith("AZURE_"):
+            monkeypatch.delenv(name)
+    msi, seen = metadata_403
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        store = ObjectStore(
+            "az://container/train",
+            account_name="account",
+            endpoint=f"http://127.0.0.1:{closed.getsockname()[1]}",
+            msi_endpoint=msi,
+            allow_http=True,
+            **NO_RETRY,
+        )
+        with pytest.raises(NoCredentialsError) as info:
+            store.get_sync("a.jpg")
+    _from_obstore(info.value)
+    text = str(info.value)
+    assert text.startswith("az://container/train: no Azure credentials were found to read 'a.jpg'")
+    assert f"GET {msi}/?api-version=" in text and "answered HTTP 403 Forbidden" in text
+    assert "account_key=" in text and "AZURE_FEDERATED_TOKEN_FILE" in text and "skip_signature=True" in text
+    assert seen and all(path.startswith("/?api-version=") for _, path in seen)

@@ -159,11 +159,19 @@ class ObjectStore:
     again in each process that unpickles the store, and again after a fork. Pickling
     sends the URL and the options.
 
+    Durations (``timeout``, ``connect_timeout``... and ``retry_config``'s
+    ``retry_timeout``, ``backoff.init_backoff``, ``backoff.max_backoff``) take seconds
+    as an int or a float, or a :class:`datetime.timedelta`; the client's also take
+    obstore's duration strings (``"300ms"``).
+
     Errors: a missing object raises :class:`FileNotFoundError` naming the key and the
-    URL; a failure worth retrying raises :class:`TransientStoreError` (a
-    :class:`ConnectionError`, ``transient = True``; :class:`StoreTimeoutError` for
-    timeouts); any other failure :class:`ObjectStoreError`. obstore's exception is the
-    ``__cause__`` of each.
+    URL; a missing bucket :class:`BucketNotFoundError` (also a FileNotFoundError)
+    naming the bucket. Setup mistakes raise :class:`StoreSetupError`, saying what to
+    change: :class:`NoCredentialsError` lists where credentials were looked for, and a
+    plain ``http://`` endpoint asks for ``allow_http=True``. A failure worth retrying
+    raises :class:`TransientStoreError` (a :class:`ConnectionError`, ``transient =
+    True``; :class:`StoreTimeoutError` for timeouts); any other failure
+    :class:`ObjectStoreError`. obstore's exception is the ``__cause__`` of each.
     """
 
     def __init__(self, url: str, **options: Any) -> None:
@@ -192,10 +200,8 @@ class ObjectStore:
                 client.update(_durations({name: client[name]}, "{}", self.url))
         if isinstance(store_opts.get("retry_config"), dict):
             store_opts["retry_config"] = _retry_durations(store_opts["retry_config"], self.url)
-        try:
+        with boundary(None, self.url, making=True):
             made = obstore.store.from_url(self.url, client_options=client or None, **store_opts)
-        except Exception as err:
-            raise ValueError(f"ObjectStore({self.url!r}): {str(err).splitlines()[0]}") from err
         self._client, self._pid = made, os.getpid()
         return made
 

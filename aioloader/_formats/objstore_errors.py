@@ -127,9 +127,11 @@ _TIMEOUT_TEXT = re.compile(r"timed out|timeout|kind: Timeout", re.IGNORECASE)
 _REQUEST = re.compile(r"Error performing (\w+) (\S+) in \S+ - (.*)")
 # Requests that fetch credentials rather than data: the EC2 instance metadata service,
 # the ECS container endpoint, STS for web identity, and the Azure and GCS token requests.
+# The metadata paths are matched at the root of a host, where no bucket's key can be.
 _CREDENTIAL_FETCH = re.compile(
-    r"/latest/api/token|/latest/meta-data/iam/security-credentials|169\.254\.170\.2"
-    r"|Action=AssumeRoleWithWebIdentity|Error performing token request|/computeMetadata/"
+    r"https?://[^/\s]+/latest/(?:api/token|meta-data/iam/security-credentials)|169\.254\.170\.2"
+    r"|AssumeRoleWithWebIdentity|https://sts\.[^/\s]*amazonaws\.com"
+    r"|Error performing token request|/computeMetadata/"
 )
 # A plain http:// URL refused by a client that was not told ``allow_http``.
 _PLAIN_HTTP = re.compile(r"kind: Builder,\s*source: BadScheme")
@@ -147,8 +149,8 @@ _SOURCES = {
             "the EC2 instance metadata service at metadata_endpoint= or AWS_METADATA_ENDPOINT "
             "(default http://169.254.169.254)",
         ],
-        "obstore does not read ~/.aws/credentials, ~/.aws/config or AWS_PROFILE. Pass "
-        "access_key_id= and secret_access_key= (ObjectStore options, or a record dataset's "
+        "obstore does not read ~/.aws/credentials, ~/.aws/config or AWS_PROFILE.\n"
+        "To fix: pass access_key_id= and secret_access_key= (ObjectStore options, or a record dataset's "
         "store_options=), or set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY; for a public "
         "bucket pass skip_signature=True.",
     ),
@@ -162,7 +164,8 @@ _SOURCES = {
             "the application default credentials of gcloud",
             "the GCE metadata server",
         ],
-        "Pass service_account= or set GOOGLE_APPLICATION_CREDENTIALS; for a public bucket pass skip_signature=True.",
+        "To fix: pass service_account= or set GOOGLE_APPLICATION_CREDENTIALS; for a public "
+        "bucket pass skip_signature=True.",
     ),
     "az": (
         "Azure",
@@ -174,7 +177,7 @@ _SOURCES = {
             "the Azure CLI, with use_azure_cli=True",
             "managed identity at msi_endpoint= or AZURE_MSI_ENDPOINT (default: the instance metadata service)",
         ],
-        "Pass account_key= (or sas_key=), or set AZURE_STORAGE_ACCOUNT_KEY; for a public "
+        "To fix: pass account_key= (or sas_key=), or set AZURE_STORAGE_ACCOUNT_KEY; for a public "
         "container pass skip_signature=True.",
     ),
 }
@@ -207,7 +210,7 @@ def _why(text: str, first: str) -> str:
 
 def _no_credentials(text: str, first: str, key: str | None, url: str) -> NoCredentialsError:
     scheme = _scheme(url)
-    what, sources, fix = _SOURCES.get(scheme, ("", [], "Pass credentials in the store options."))
+    what, sources, fix = _SOURCES.get(scheme, ("", [], "To fix: pass credentials in the store options."))
     lines = [f"{url}: no {what + ' ' if what else ''}credentials were found"]
     if key is not None:
         lines[0] += f" to read {key!r}"
@@ -283,14 +286,18 @@ def translate(err: BaseException, key: str | None, url: str) -> BaseException:
 
 
 @contextmanager
-def boundary(key: str | None, url: str) -> Iterator[None]:
+def boundary(key: str | None, url: str, *, making: bool = False) -> Iterator[None]:
     """Run one obstore call: whatever it raises leaves as :func:`translate` maps it.
 
-    A plain context manager, so it wraps awaits as well as blocking calls.
+    A plain context manager, so it wraps awaits as well as blocking calls. With
+    ``making``, the call makes the store: a failure there is a bad URL or option, so
+    it leaves as :class:`ValueError` with obstore's first line.
     """
     try:
         yield
     except Exception as err:
+        if making:
+            raise ValueError(f"ObjectStore({url!r}): {str(err).splitlines()[0]}") from err
         mapped = translate(err, key, url)
         if mapped is err:
             raise
