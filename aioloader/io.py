@@ -10,9 +10,12 @@
   first store is made.
 * :func:`read_file` — a local file, or a byte range of it, without blocking the loop.
 
-Errors name the key and the URL. A missing object raises :class:`FileNotFoundError`.
-A failure that may pass when the request is tried again (no connection, a dropped one,
-a timeout, HTTP 5xx or 429) raises :class:`TransientStoreError`, a
+Errors name the key and the URL. A missing object raises :class:`FileNotFoundError`;
+a missing bucket :class:`BucketNotFoundError`, a FileNotFoundError that names the
+bucket. Setup mistakes raise :class:`StoreSetupError` with what to change: no
+credentials (:class:`NoCredentialsError`, listing where obstore looked), or a plain
+``http://`` endpoint without ``allow_http=True``. A failure that may pass when the
+request is tried again (no connection, a dropped one, a timeout, HTTP 5xx or 429) raises :class:`TransientStoreError`, a
 :class:`ConnectionError` whose ``transient`` attribute is ``True``
 (:class:`StoreTimeoutError`, also a :class:`TimeoutError`, for timeouts); every other
 failure raises :class:`ObjectStoreError` (``transient = False``). All of them carry
@@ -33,12 +36,24 @@ import os
 import aiofiles.os
 
 from ._formats import publish
+from ._formats.objstore import BucketNotFoundError as BucketNotFoundError
+from ._formats.objstore import NoCredentialsError as NoCredentialsError
 from ._formats.objstore import ObjectStore as ObjectStore
 from ._formats.objstore import ObjectStoreError as ObjectStoreError
+from ._formats.objstore import StoreSetupError as StoreSetupError
 from ._formats.objstore import StoreTimeoutError as StoreTimeoutError
 from ._formats.objstore import TransientStoreError as TransientStoreError
 
-__all__ = ["ObjectStore", "ObjectStoreError", "StoreTimeoutError", "TransientStoreError", "read_file"]
+__all__ = [
+    "BucketNotFoundError",
+    "NoCredentialsError",
+    "ObjectStore",
+    "ObjectStoreError",
+    "StoreSetupError",
+    "StoreTimeoutError",
+    "TransientStoreError",
+    "read_file",
+]
 
 StrPath = str | os.PathLike[str]
 

@@ -81,8 +81,11 @@ PUBLIC_FACES = {
     ],
     "aioloader.sources": ["follow_lines", "read_files", "watch_folder"],
     "aioloader.io": [
+        "BucketNotFoundError",
+        "NoCredentialsError",
         "ObjectStore",
         "ObjectStoreError",
+        "StoreSetupError",
         "StoreTimeoutError",
         "TransientStoreError",
         "read_file",

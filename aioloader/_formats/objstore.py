@@ -8,25 +8,42 @@ never imports asyncio itself. obstore is imported only when a store is made.
 from __future__ import annotations
 
 import atexit
-import errno
+import math
 import os
 import re
 import threading
 import time
 import weakref
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
+
+from .objstore_errors import (
+    SCHEMES_WITH_BUCKETS,
+    BucketNotFoundError,
+    NoCredentialsError,
+    ObjectStoreError,
+    StoreSetupError,
+    StoreTimeoutError,
+    TransientStoreError,
+    boundary,
+    translate,
+)
 
 if TYPE_CHECKING:
     import obstore.store
 
 __all__ = [
     "INSTALL_HINT",
+    "BucketNotFoundError",
+    "NoCredentialsError",
     "ObjectStore",
     "ObjectStoreError",
+    "StoreSetupError",
     "StoreTimeoutError",
     "TransientStoreError",
     "is_url",
     "split_url",
+    "translate",
 ]
 
 INSTALL_HINT = 'reading from object stores needs obstore: pip install "aioloader[remote]"'
@@ -46,15 +63,6 @@ _CLIENT_KEYS = frozenset(
     "proxy_url proxy_ca_certificate proxy_excludes root_certificate randomize_addresses "
     "read_timeout timeout user_agent".split()
 )
-_STATUS = re.compile(r"status code: (\d{3})")
-# Failures where the same request may well succeed when tried again: the server was
-# unreachable, dropped the connection, or took too long.
-_TRANSIENT_TEXT = re.compile(
-    r"error sending request|connection (?:reset|refused|closed|aborted)|kind: (?:Connect|Timeout|Request|Interrupted)"
-    r"|timed out|timeout|broken pipe|incomplete message|unexpected eof|end of file before",
-    re.IGNORECASE,
-)
-_TIMEOUT_TEXT = re.compile(r"timed out|timeout|kind: Timeout", re.IGNORECASE)
 
 
 def is_url(path: object) -> bool:
@@ -73,77 +81,6 @@ def split_url(url: str) -> tuple[str, str]:
         raise ValueError(f"not an object URL (it names no object after the bucket or host): {url!r}")
     base, _, name = url.rpartition("/")
     return base, name
-
-
-class ObjectStoreError(OSError):
-    """A request to an object store failed; ``key``, ``url`` and ``status`` say which and how.
-
-    ``transient`` is False here; see :class:`TransientStoreError`. ``status`` is the HTTP
-    status the server returned, or ``None`` when there was no response. The obstore
-    exception is kept as ``__cause__``.
-    """
-
-    transient = False
-
-    def __init__(self, message: str, *, key: str | None, url: str, status: int | None = None) -> None:
-        super().__init__(message)
-        self.key = key
-        self.url = url
-        self.status = status
-
-    def __reduce__(self) -> Any:
-        # Keyword-only arguments defeat the default pickling; the state (``__dict__``)
-        # carries the rest, exception notes included.
-        return (_rebuild_error, (type(self), str(self), self.key, self.url, self.status), self.__dict__)
-
-
-class TransientStoreError(ObjectStoreError, ConnectionError):
-    """A failure that may pass when tried again: no connection, a dropped one, HTTP 5xx or 429.
-
-    A :class:`ConnectionError` (so generic retry policies treat it as such) with
-    ``transient = True``. obstore has already retried the request by then (its
-    ``retry_config``), so this means the store stayed unavailable for that long.
-    """
-
-    transient = True
-
-
-class StoreTimeoutError(TransientStoreError, TimeoutError):
-    """The request timed out (``timeout``/``connect_timeout`` in the options); transient."""
-
-
-def _rebuild_error(
-    cls: type[ObjectStoreError], msg: str, key: str | None, url: str, status: int | None
-) -> Any:
-    return cls(msg, key=key, url=url, status=status)
-
-
-def _missing(key: str, url: str) -> FileNotFoundError:
-    # str(): "[Errno 2] no such object in s3://bucket/prefix: 'key'"; ``filename`` is the key.
-    return FileNotFoundError(errno.ENOENT, f"no such object in {url}", key)
-
-
-def translate(err: BaseException, key: str | None, url: str) -> BaseException:
-    """obstore's exception for a request on ``key`` as one of ours (``err`` is kept as the cause)."""
-    where = url if key is None else f"{key!r} in {url}"
-    # obstore's text of a retried request names its "retry_timeout": not a timeout.
-    text = re.sub(r"retry_timeout: \S+", "", str(err))
-    first = text.split("\n", 1)[0].strip()
-    if isinstance(err, FileNotFoundError):
-        return _missing(key, url) if key is not None else FileNotFoundError(errno.ENOENT, first, url)
-    m = _STATUS.search(first)
-    status = int(m.group(1)) if m else None
-    if status == 404 and key is not None:
-        return _missing(key, url)
-    message = f"{where}: {first}"
-    if status is not None and (status >= 500 or status == 429):
-        return TransientStoreError(message, key=key, url=url, status=status)
-    if status is None and _TRANSIENT_TEXT.search(text):
-        cls = StoreTimeoutError if _TIMEOUT_TEXT.search(text) else TransientStoreError
-        return cls(message, key=key, url=url)
-    if isinstance(err, (ValueError, TypeError)):
-        return type(err)(message)
-    return ObjectStoreError(message, key=key, url=url, status=status)
 
 
 def _hand_over_at_exit() -> None:
@@ -222,11 +159,19 @@ class ObjectStore:
     again in each process that unpickles the store, and again after a fork. Pickling
     sends the URL and the options.
 
+    Durations (``timeout``, ``connect_timeout``... and ``retry_config``'s
+    ``retry_timeout``, ``backoff.init_backoff``, ``backoff.max_backoff``) take seconds
+    as an int or a float, or a :class:`datetime.timedelta`; the client's also take
+    obstore's duration strings (``"300ms"``).
+
     Errors: a missing object raises :class:`FileNotFoundError` naming the key and the
-    URL; a failure worth retrying raises :class:`TransientStoreError` (a
-    :class:`ConnectionError`, ``transient = True``; :class:`StoreTimeoutError` for
-    timeouts); any other failure :class:`ObjectStoreError`. obstore's exception is the
-    ``__cause__`` of each.
+    URL; a missing bucket :class:`BucketNotFoundError` (also a FileNotFoundError)
+    naming the bucket. Setup mistakes raise :class:`StoreSetupError`, saying what to
+    change: :class:`NoCredentialsError` lists where credentials were looked for, and a
+    plain ``http://`` endpoint asks for ``allow_http=True``. A failure worth retrying
+    raises :class:`TransientStoreError` (a :class:`ConnectionError`, ``transient =
+    True``; :class:`StoreTimeoutError` for timeouts); any other failure
+    :class:`ObjectStoreError`. obstore's exception is the ``__cause__`` of each.
     """
 
     def __init__(self, url: str, **options: Any) -> None:
@@ -246,14 +191,17 @@ class ObjectStore:
     def _connect(self) -> Any:
         obstore = _import_obstore()
         store_opts = dict(self.options)
-        client = dict(store_opts.pop("client_options", None) or {})
+        client = _durations(
+            dict(store_opts.pop("client_options", None) or {}), 'client_options["{}"]', self.url
+        )
         for name in list(store_opts):
             if name in _CLIENT_KEYS:
                 client[name] = store_opts.pop(name)
-        try:
+                client.update(_durations({name: client[name]}, "{}", self.url))
+        if isinstance(store_opts.get("retry_config"), dict):
+            store_opts["retry_config"] = _retry_durations(store_opts["retry_config"], self.url)
+        with boundary(None, self.url, making=True):
             made = obstore.store.from_url(self.url, client_options=client or None, **store_opts)
-        except Exception as err:
-            raise ValueError(f"ObjectStore({self.url!r}): {str(err).splitlines()[0]}") from err
         self._client, self._pid = made, os.getpid()
         return made
 
@@ -280,11 +228,9 @@ class ObjectStore:
         """The whole object ``key``."""
         obstore, client = _import_obstore(), self.client
         _before_async_request()
-        try:
+        with boundary(key, self.url):
             result = await obstore.get_async(client, key)
             return _bytes(await result.bytes_async())
-        except Exception as err:
-            raise translate(err, key, self.url) from err
 
     async def get_range(self, key: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of ``key``, fewer where the object ends before ``end``.
@@ -297,36 +243,47 @@ class ObjectStore:
             return b""
         obstore, client = _import_obstore(), self.client
         _before_async_request()
-        try:
+        with boundary(key, self.url):
             return _bytes(await obstore.get_range_async(client, key, start=start, end=end))
-        except Exception as err:
-            raise translate(err, key, self.url) from err
 
     def get_sync(self, key: str) -> bytes:
         """:meth:`get`, blocking (for worker-side code)."""
         obstore, client = _import_obstore(), self.client
-        try:
+        with boundary(key, self.url):
             return _bytes(obstore.get(client, key).bytes())
-        except Exception as err:
-            raise translate(err, key, self.url) from err
 
     def get_range_sync(self, key: str, start: int, end: int) -> bytes:
         """:meth:`get_range`, blocking (for worker-side code)."""
         if _empty_range(key, start, end):
             return b""
         obstore, client = _import_obstore(), self.client
-        try:
+        with boundary(key, self.url):
             return _bytes(obstore.get_range(client, key, start=start, end=end))
-        except Exception as err:
-            raise translate(err, key, self.url) from err
 
     def size_sync(self, key: str) -> int:
-        """The size of ``key`` in bytes (one HEAD request)."""
+        """The size of ``key`` in bytes (one HEAD request).
+
+        A HEAD answer has no body, so a 404 does not say whether the bucket or the key
+        is missing. For a store with buckets, one ranged GET of the key then tells.
+        """
         obstore, client = _import_obstore(), self.client
         try:
-            return int(obstore.head(client, key)["size"])
-        except Exception as err:
-            raise translate(err, key, self.url) from err
+            with boundary(key, self.url):
+                return int(obstore.head(client, key)["size"])
+        except FileNotFoundError as missing:
+            if (
+                isinstance(missing, BucketNotFoundError)
+                or self.url.split("://")[0].lower() not in SCHEMES_WITH_BUCKETS
+            ):
+                raise
+            try:
+                with boundary(key, self.url):
+                    obstore.get_range(client, key, start=0, end=1)
+            except BucketNotFoundError:
+                raise
+            except Exception:
+                pass  # the key is missing (or this GET failed otherwise): the HEAD's answer stands
+            raise
 
     # -- pickling: the URL and the options
     def __getstate__(self) -> dict[str, Any]:
@@ -342,6 +299,57 @@ class ObjectStore:
 
     def __repr__(self) -> str:
         return f"ObjectStore({self.url!r})"
+
+
+# The HTTP client's durations; obstore takes a datetime.timedelta or a duration string
+# ("300ms") there, and only a timedelta in retry_config. A number means seconds here.
+_CLIENT_DURATIONS = frozenset(
+    "connect_timeout http2_keep_alive_interval http2_keep_alive_timeout pool_idle_timeout read_timeout timeout".split()
+)
+
+
+def _duration(value: Any, name: str, url: str, strings: bool) -> Any:
+    if isinstance(value, str) and strings:
+        return value
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        kinds = "seconds (an int or a float)"
+        kinds += (
+            ", a datetime.timedelta or a duration string such as '300ms'"
+            if strings
+            else " or a datetime.timedelta"
+        )
+        raise TypeError(
+            f"ObjectStore({url!r}): {name} must be {kinds}; got {value!r} ({type(value).__name__})"
+        )
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"ObjectStore({url!r}): {name} must be a duration of 0 s or more; got {value!r}")
+    return value if isinstance(value, timedelta) else timedelta(seconds=seconds)
+
+
+def _durations(options: dict[str, Any], name: str, url: str) -> dict[str, Any]:
+    """``options`` with each HTTP-client duration checked; numbers become timedeltas."""
+    return {
+        key: _duration(value, name.format(key), url, strings=True) if key in _CLIENT_DURATIONS else value
+        for key, value in options.items()
+    }
+
+
+def _retry_durations(config: dict[str, Any], url: str) -> dict[str, Any]:
+    """``retry_config`` with its durations checked; numbers (seconds) become timedeltas."""
+    out = dict(config)
+    if "retry_timeout" in out:
+        out["retry_timeout"] = _duration(out["retry_timeout"], 'retry_config["retry_timeout"]', url, False)
+    if isinstance(out.get("backoff"), dict):
+        backoff = out["backoff"] = dict(out["backoff"])
+        for key in ("init_backoff", "max_backoff"):
+            if key in backoff:
+                name = f'retry_config["backoff"]["{key}"]'
+                backoff[key] = _duration(backoff[key], name, url, False)
+    return out
 
 
 def _empty_range(key: str, start: int, end: int) -> bool:
