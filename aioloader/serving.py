@@ -87,9 +87,12 @@ class BatcherStats:
     batch_sizes: dict[int, int]
     """Micro-batch size -> how many micro-batches had it."""
     retries: int
-    """Micro-batches resubmitted after a worker died."""
+    """Tasks resubmitted after a worker died (a request running alone counts its own)."""
     restarts: int
     """Times the pool was rebuilt."""
+    isolated: int = 0
+    """Micro-batches lost to a dying worker or overrunning ``timeout`` whose requests
+    then ran one a task, so that only the culprit failed."""
 
     def __str__(self) -> str:
         sizes = ", ".join(f"{k}x{v}" for k, v in sorted(self.batch_sizes.items())) or "-"
@@ -102,7 +105,8 @@ class BatcherStats:
             f"  queue wait ms p50/p99/max: {fmt_ms(*self.queue_wait_s)}\n"
             f"  service ms p50/p99/max:    {fmt_ms(*self.service_s)}\n"
             f"  micro-batch sizes (size x count): {sizes}\n"
-            f"  retries {self.retries}, pool restarts {self.restarts}"
+            f"  retries {self.retries}, pool restarts {self.restarts}, "
+            f"micro-batches run one request a task {self.isolated}"
         )
 
 
@@ -220,8 +224,9 @@ class Batcher(LoaderBase, Generic[Batch]):
             return queue
 
     def _run_config(self) -> RunConfig:
-        # each result goes out as soon as it is ready; a micro-batch's error fails its own requests only
-        return self._config(ordered=False, fail_fast=False)
+        # each result goes out as soon as it is ready; a micro-batch's error fails its own
+        # requests only; a lost micro-batch runs again one request a task
+        return self._config(ordered=False, fail_fast=False, isolate=True)
 
     async def _start_async(self) -> None:
         self._start_here()
@@ -336,6 +341,7 @@ class Batcher(LoaderBase, Generic[Batch]):
             batch_sizes=dict(c.sizes),
             retries=self._recorder.retries,
             restarts=self._pool.restarts,
+            isolated=self._recorder.isolated,
         )
 
     def __repr__(self) -> str:

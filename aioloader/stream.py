@@ -219,7 +219,10 @@ class StreamLoader(IterableLoader, Generic[Batch]):
             side = WorkerSide(self._token, 0, self._shared.get_payload, self._inline_ctx)
             feed = make_feed(self.source)
             run = Run(
-                self._run_config(), Batcher(side, feed, self._iterations, self.batch_size, self.max_latency)
+                self._run_config(),
+                Batcher(
+                    side, feed, self._iterations, self.batch_size, self.max_latency, self.on_error == "skip"
+                ),
             )
             p = _StreamPass(self._recorder, run, self._iterations)
             self._iterations += 1
@@ -229,7 +232,8 @@ class StreamLoader(IterableLoader, Generic[Batch]):
         return p
 
     def _run_config(self) -> RunConfig:
-        return self._config(ordered=self.ordered, fetch=self._fetch)
+        # a lost micro-batch runs again one item a task, so that only the culprit fails
+        return self._config(ordered=self.ordered, fetch=self._fetch, isolate=True)
 
     def __aiter__(self) -> AsyncIterator[Batch]:
         return super().__aiter__()
