@@ -4,11 +4,15 @@ An inference service wants the opposite of a loader's view: each request awaits 
 own* preprocessed result, while the library groups concurrent requests into
 micro-batches (up to ``batch_size`` items, waiting at most ``max_latency`` after the
 first one arrived). It runs on the loaders' engine: the same pool sharing, crash
-recovery (a micro-batch lost to a dying worker is resubmitted, its requests are not
-failed), timeouts, statistics and traces. What is particular to serving:
+recovery, timeouts, statistics and traces. What is particular to serving:
 
 * **errors are per request**: one item whose ``fn`` raises fails only its own
   ``submit()``; the rest of its micro-batch gets results;
+* **one bad request fails alone**: a micro-batch lost to a dying worker, or overrunning
+  ``timeout``, runs again one request a task, each with the whole ``max_retries``; only
+  a request that keeps killing its worker (or overruns alone) fails, with
+  :class:`~aioloader.WorkerCrashedError` (or :class:`~aioloader.LoaderTimeout`) naming
+  it;
 * **cancellation**: a caller cancelled before its item was dispatched removes the item
   (no worker sees it); cancelled after, its result is dropped;
 * **deadlines**: ``deadline=`` seconds from ``submit()``, end to end: the request is
@@ -128,9 +132,12 @@ class Batcher(LoaderBase, Generic[Batch]):
         prefetch: micro-batches dispatched at once (default ``num_workers + 1``: one per
             worker and one ready behind them; requests beyond that wait in the queue,
             where they can still be prioritised, cancelled or expired).
-        timeout: seconds a micro-batch may run in a worker before it is killed and its
-            requests fail with :class:`~aioloader.LoaderTimeout`.
-        max_retries: resubmissions of a micro-batch whose worker died.
+        timeout: seconds a micro-batch may run in a worker before it is killed; its
+            requests then run one a task, and one that overruns alone fails with
+            :class:`~aioloader.LoaderTimeout`.
+        max_retries: resubmissions of a task whose worker died holding it. A micro-batch
+            of several requests is not resubmitted whole: its requests run again one a
+            task, each with this many retries of its own.
         mp_context, pool, executor, trace: as for :class:`~aioloader.DataLoader`.
 
     Start it with ``async with batcher:`` (on your event loop) or ``with batcher:`` (on a
