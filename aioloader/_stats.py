@@ -109,6 +109,9 @@ class LoaderStats:
     """What ``batches_per_task`` chose and from what (empty where each batch is a task)."""
     window: int = 0
     """Slots in the window now: ``prefetch``, or what ``prefetch="auto"`` grew it to."""
+    isolated: int = 0
+    """StreamLoader micro-batches lost to a dying worker or overrunning ``timeout`` that
+    then ran one item a task, so that only the culprit failed."""
 
     @property
     def batches_per_s(self) -> float | None:
@@ -136,7 +139,9 @@ class LoaderStats:
             f"  first batch ms by epoch: {firsts}\n"
             f"  batch latency ms p50/p99: {fmt_ms(self.latency_p50_s, self.latency_p99_s)}\n"
             f"  workers busy: {fmt_share(self.worker_busy)}\n"
-            f"  retries {self.retries}, pool restarts {self.restarts}, skipped samples {self.skipped}\n"
+            f"  retries {self.retries}, pool restarts {self.restarts}, skipped samples {self.skipped}"
+            + (f", micro-batches run one item a task {self.isolated}" if self.isolated else "")
+            + "\n"
             f"  dataset to workers: {_mib(self.payload_bytes)} pickled, {_mib(self.shared_bytes)} shared, "
             f"in {self.payload_s * 1000:.0f} ms"
             + self._fetch_line()
@@ -198,6 +203,7 @@ class Recorder:
     stall_ns: int = 0
     retries: int = 0
     skipped: int = 0
+    isolated: int = 0
     in_flight: int = 0
     busy_ns: int = 0
     payload_bytes: int = 0
@@ -296,6 +302,7 @@ class Recorder:
             batches_per_task=self.group.size if self.group is not None else 1,
             grouping=self.group.describe() if self.group is not None else "",
             window=self.group.window if self.group is not None else self.prefetch,
+            isolated=self.isolated,
             **self._fetch_figures(),
         )
 

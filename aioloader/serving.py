@@ -4,11 +4,15 @@ An inference service wants the opposite of a loader's view: each request awaits 
 own* preprocessed result, while the library groups concurrent requests into
 micro-batches (up to ``batch_size`` items, waiting at most ``max_latency`` after the
 first one arrived). It runs on the loaders' engine: the same pool sharing, crash
-recovery (a micro-batch lost to a dying worker is resubmitted, its requests are not
-failed), timeouts, statistics and traces. What is particular to serving:
+recovery, timeouts, statistics and traces. What is particular to serving:
 
 * **errors are per request**: one item whose ``fn`` raises fails only its own
   ``submit()``; the rest of its micro-batch gets results;
+* **one bad request fails alone**: a micro-batch lost to a dying worker, or overrunning
+  ``timeout``, runs again one request a task, each with the whole ``max_retries``; only
+  a request that keeps killing its worker (or overruns alone) fails, with
+  :class:`~aioloader.WorkerCrashedError` (or :class:`~aioloader.LoaderTimeout`) naming
+  it;
 * **cancellation**: a caller cancelled before its item was dispatched removes the item
   (no worker sees it); cancelled after, its result is dropped;
 * **deadlines**: ``deadline=`` seconds from ``submit()``, end to end: the request is
@@ -87,9 +91,12 @@ class BatcherStats:
     batch_sizes: dict[int, int]
     """Micro-batch size -> how many micro-batches had it."""
     retries: int
-    """Micro-batches resubmitted after a worker died."""
+    """Tasks resubmitted after a worker died (a request running alone counts its own)."""
     restarts: int
     """Times the pool was rebuilt."""
+    isolated: int = 0
+    """Micro-batches lost to a dying worker or overrunning ``timeout`` whose requests
+    then ran one a task, so that only the culprit failed."""
 
     def __str__(self) -> str:
         sizes = ", ".join(f"{k}x{v}" for k, v in sorted(self.batch_sizes.items())) or "-"
@@ -102,7 +109,8 @@ class BatcherStats:
             f"  queue wait ms p50/p99/max: {fmt_ms(*self.queue_wait_s)}\n"
             f"  service ms p50/p99/max:    {fmt_ms(*self.service_s)}\n"
             f"  micro-batch sizes (size x count): {sizes}\n"
-            f"  retries {self.retries}, pool restarts {self.restarts}"
+            f"  retries {self.retries}, pool restarts {self.restarts}, "
+            f"micro-batches run one request a task {self.isolated}"
         )
 
 
@@ -124,9 +132,12 @@ class Batcher(LoaderBase, Generic[Batch]):
         prefetch: micro-batches dispatched at once (default ``num_workers + 1``: one per
             worker and one ready behind them; requests beyond that wait in the queue,
             where they can still be prioritised, cancelled or expired).
-        timeout: seconds a micro-batch may run in a worker before it is killed and its
-            requests fail with :class:`~aioloader.LoaderTimeout`.
-        max_retries: resubmissions of a micro-batch whose worker died.
+        timeout: seconds a micro-batch may run in a worker before it is killed; its
+            requests then run one a task, and one that overruns alone fails with
+            :class:`~aioloader.LoaderTimeout`.
+        max_retries: resubmissions of a task whose worker died holding it. A micro-batch
+            of several requests is not resubmitted whole: its requests run again one a
+            task, each with this many retries of its own.
         mp_context, pool, executor, trace: as for :class:`~aioloader.DataLoader`.
 
     Start it with ``async with batcher:`` (on your event loop) or ``with batcher:`` (on a
@@ -220,8 +231,9 @@ class Batcher(LoaderBase, Generic[Batch]):
             return queue
 
     def _run_config(self) -> RunConfig:
-        # each result goes out as soon as it is ready; a micro-batch's error fails its own requests only
-        return self._config(ordered=False, fail_fast=False)
+        # each result goes out as soon as it is ready; a micro-batch's error fails its own
+        # requests only; a lost micro-batch runs again one request a task
+        return self._config(ordered=False, fail_fast=False, isolate=True)
 
     async def _start_async(self) -> None:
         self._start_here()
@@ -336,6 +348,7 @@ class Batcher(LoaderBase, Generic[Batch]):
             batch_sizes=dict(c.sizes),
             retries=self._recorder.retries,
             restarts=self._pool.restarts,
+            isolated=self._recorder.isolated,
         )
 
     def __repr__(self) -> str:

@@ -76,9 +76,12 @@ class StreamLoader(IterableLoader, Generic[Batch]):
         on_error: ``"raise"`` the first exception from ``fn`` (the stream stops), or
             ``"skip"`` failing items (with ``batched_fn``, the whole micro-batch);
             counted in ``stats().skipped``.
-        max_retries: resubmissions of a micro-batch whose worker died while running it.
-        timeout: seconds a micro-batch may run in a worker; on expiry
-            :class:`~aioloader.LoaderTimeout` is raised and the worker is killed.
+        max_retries: resubmissions of a task whose worker died while running it. A
+            micro-batch of several items is not resubmitted whole: its items run again
+            one a task, each with this many retries (see :doc:`streaming`).
+        timeout: seconds a micro-batch may run in a worker; on expiry the worker is
+            killed and the items run again one a task; one that overruns alone raises
+            :class:`~aioloader.LoaderTimeout`.
         mp_context: start method name or context (default ``forkserver``, else ``spawn``).
         pool: a :class:`~aioloader.WorkerPool` shared with other loaders (never closed
             by the stream).
@@ -99,8 +102,10 @@ class StreamLoader(IterableLoader, Generic[Batch]):
     Guarantees and errors: exceptions from ``fn``/``collate_fn`` keep their type and
     gain a note with the item's source position (:class:`~aioloader.RemoteError` if
     they do not pickle); an exception raised by the source itself is raised after the
-    batches of the items taken before it. :class:`~aioloader.WorkerCrashedError` after
-    ``max_retries`` crashes; :class:`~aioloader.LoaderClosedError` when iterating a
+    batches of the items taken before it. :class:`~aioloader.WorkerCrashedError` names
+    the one item that killed its worker ``max_retries + 1`` times when run alone (with
+    ``on_error="skip"`` it is skipped, and the rest of its micro-batch is delivered as one
+    batch); :class:`~aioloader.LoaderClosedError` when iterating a
     closed stream; :class:`~aioloader.DatasetPickleError` at construction when ``fn``
     or ``collate_fn`` cannot reach the workers.
 
@@ -219,7 +224,10 @@ class StreamLoader(IterableLoader, Generic[Batch]):
             side = WorkerSide(self._token, 0, self._shared.get_payload, self._inline_ctx)
             feed = make_feed(self.source)
             run = Run(
-                self._run_config(), Batcher(side, feed, self._iterations, self.batch_size, self.max_latency)
+                self._run_config(),
+                Batcher(
+                    side, feed, self._iterations, self.batch_size, self.max_latency, self.on_error == "skip"
+                ),
             )
             p = _StreamPass(self._recorder, run, self._iterations)
             self._iterations += 1
@@ -229,7 +237,8 @@ class StreamLoader(IterableLoader, Generic[Batch]):
         return p
 
     def _run_config(self) -> RunConfig:
-        return self._config(ordered=self.ordered, fetch=self._fetch)
+        # a lost micro-batch runs again one item a task, so that only the culprit fails
+        return self._config(ordered=self.ordered, fetch=self._fetch, isolate=True)
 
     def __aiter__(self) -> AsyncIterator[Batch]:
         return super().__aiter__()

@@ -71,3 +71,46 @@ class DieOnce:
             marker.touch()
             os.kill(os.getpid(), signal.SIGKILL)
         return x, os.getpid()
+
+
+class Poison:
+    """``x * 10``, except for the poison items: ``exit_on`` ends its worker with
+    ``os._exit(3)``, ``hang_on`` never returns (the timeout kills its worker).
+
+    ``log``: a file each call appends its item to first (what the workers ran, in
+    order). ``go``: a file the exit waits for (a bounded poll), so a test can act while
+    the micro-batch is at the worker; ``entered`` is the file it creates then."""
+
+    def __init__(
+        self,
+        exit_on: Any = None,
+        hang_on: Any = None,
+        log: str | None = None,
+        go: str | None = None,
+        entered: str | None = None,
+    ) -> None:
+        self.exit_on, self.hang_on = exit_on, hang_on
+        self.log, self.go, self.entered = log, go, entered
+
+    def __call__(self, x: Any) -> Any:
+        if self.log is not None:
+            with open(self.log, "a") as f:
+                f.write(f"{x}\n")
+        if x == self.exit_on:
+            if self.entered is not None:
+                Path(self.entered).touch()
+            if self.go is not None:
+                for _ in range(6000):  # 30 s at most: a hang becomes a failure
+                    if os.path.exists(self.go):
+                        break
+                    threading.Event().wait(0.005)
+            os._exit(3)
+        if x == self.hang_on:
+            threading.Event().wait()
+        return x * 10
+
+
+def logged(path: str) -> list[int]:
+    """The items a :class:`Poison` logged, in order."""
+    with open(path) as f:
+        return [int(line) for line in f.read().split()]

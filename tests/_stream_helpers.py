@@ -327,3 +327,20 @@ def failing_source(kind: str, n_ok: int) -> Any:
         raise KeyError("source broke")
 
     return gen() if kind == "generator" else agen()
+
+
+class ExitOn:
+    """Ends its worker with ``os._exit(3)`` on item ``item``, every time."""
+
+    def __init__(self, item: int) -> None:
+        self.item = item
+
+    def __call__(self, x: int) -> int:
+        if x == self.item:
+            os._exit(3)
+        return x
+
+
+async def fetch_same(x: Any) -> Any:
+    """A ``fetch=`` that hands the item on as it is."""
+    return x

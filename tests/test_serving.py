@@ -13,10 +13,18 @@ from typing import Any
 import pytest
 
 import aioloader
-from aioloader import Batcher, DeadlineExceeded, LoaderClosedError, Overloaded
+from aioloader import (
+    Batcher,
+    DeadlineExceeded,
+    LoaderClosedError,
+    LoaderTimeout,
+    Overloaded,
+    WorkerCrashedError,
+)
 from aioloader._engine.requests import RequestQueue, ServeCounters
 
 from . import _serve_helpers as H
+from .conftest import wait_until_async
 
 
 @pytest.fixture(autouse=True)
@@ -328,6 +336,66 @@ async def test_a_killed_worker_costs_no_request(tmp_path: Path) -> None:
         st = b.stats()
     assert [x for x, _ in out] == list(range(6))
     assert (tmp_path / "died").exists() and st.restarts >= 1 and st.failed == 0
+
+
+@pytest.mark.parametrize(("batch_size", "n", "poison"), [(16, 48, 20), (3, 9, 4)])
+@pytest.mark.asyncio
+async def test_a_request_that_kills_its_worker_fails_alone(batch_size: int, n: int, poison: int) -> None:
+    # The poison shares a micro-batch with others (all n arrive at once): it runs again
+    # alone, with its own max_retries, and only it fails.
+    async with Batcher(H.Poison(exit_on=poison), batch_size=batch_size, max_latency=1, num_workers=2) as b:
+        out = await b.submit_many(range(n), return_exceptions=True)
+        st = b.stats()
+    err = out[poison]
+    assert isinstance(err, WorkerCrashedError), out
+    assert [x for k, x in enumerate(out) if k != poison] == [i * 10 for i in range(n) if i != poison]
+    assert err.indices == [poison] and err.exitcode == 3 and err.attempts == 3  # type: ignore[attr-defined]
+    assert str(err).startswith(f"request {poison} (run alone after its micro-batch "), err
+    assert "was lost to a dying worker 3 times (exit code 3); max_retries=2" in str(err), err
+    assert st.isolated == 1 and st.failed == 1 and st.completed == n - 1
+    assert batch_size in st.batch_sizes  # the poison did share a micro-batch
+
+
+@pytest.mark.asyncio
+async def test_a_request_that_overruns_the_timeout_fails_alone() -> None:
+    async with Batcher(H.Poison(hang_on=4), batch_size=3, max_latency=1, num_workers=2, timeout=0.5) as b:
+        out = await b.submit_many(range(9), return_exceptions=True)
+        st = b.stats()
+    err = out[4]
+    assert isinstance(err, LoaderTimeout), out
+    assert out[:4] + out[5:] == [0, 10, 20, 30, 50, 60, 70, 80]
+    assert err.indices == [4]  # type: ignore[attr-defined]
+    assert str(err).startswith(
+        "request 4 (run alone after its micro-batch 1, requests [3, 4, 5], overran timeout=0.5 s) "
+        "was not delivered within timeout=0.5 s"
+    ), err
+    assert st.isolated == 1 and st.failed == 1 and st.completed == 8
+
+
+@pytest.mark.asyncio
+async def test_requests_expired_or_cancelled_in_a_lost_micro_batch_do_not_run_again(tmp_path: Path) -> None:
+    log, go, entered = (str(tmp_path / name) for name in ("log", "go", "entered"))
+    fn = H.Poison(exit_on=4, log=log, go=go, entered=entered)
+    async with Batcher(fn, batch_size=4, max_latency=1, num_workers=1, max_retries=1) as b:
+        late = asyncio.ensure_future(b.submit(3, deadline=0.2))
+        poison, cancelled, good = (asyncio.ensure_future(b.submit(i)) for i in (4, 5, 6))
+        await wait_until_async(lambda: Path(entered).exists(), 20, "the poison at its worker")
+        assert b.stats().in_flight == 4  # one micro-batch: 3 ran, 4 holds its worker
+        with pytest.raises(DeadlineExceeded, match="still at a worker"):
+            await late  # its deadline passes while the worker holds the micro-batch
+        cancelled.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        Path(go).touch()  # now the worker dies; 4 and 6 run again alone, 3 and 5 do not
+        alone = r"^request 1 \(run alone after its micro-batch 0, requests \[0, 1, 2, 3\]"
+        with pytest.raises(WorkerCrashedError, match=alone) as info:
+            await poison
+        assert await good == 60
+        st = b.stats()
+    assert info.value.attempts == 2  # type: ignore[attr-defined]
+    ran = H.logged(log)
+    assert (ran.count(3), ran.count(4), ran.count(5), ran.count(6)) == (1, 3, 0, 1), ran
+    assert st.isolated == 1 and st.expired_after_dispatch == 1 and st.cancelled_after_dispatch == 1
 
 
 def test_submit_sync_from_many_threads() -> None:

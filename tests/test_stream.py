@@ -31,6 +31,7 @@ from ._datasets import RangeDataset
 from ._stream_helpers import (
     STOP,
     Counting,
+    ExitOn,
     FailOn,
     Gate,
     HangOn,
@@ -40,6 +41,7 @@ from ._stream_helpers import (
     as_lists,
     drive,
     failing_source,
+    fetch_same,
     gate,
     identity,
     raise_unpicklable,
@@ -336,22 +338,63 @@ def test_worker_crash_mid_stream_is_recovered(mode: str, tmp_path: Path) -> None
         assert marker.exists()  # the worker really died on item 6
         assert as_lists(got) == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
         assert stream.stats().restarts >= 1
-        assert stream.stats().retries >= 1
+        assert stream.stats().isolated == 1  # [6, 7, 8] ran again one item a task
 
 
 def test_worker_crash_every_time_gives_up(mode: str) -> None:
+    # The micro-batch [3, 4, 5] is lost once; each item then runs alone: only 4 fails,
+    # after its own max_retries, and the batch before it was delivered.
     with StreamLoader(range(9), KillAlways(4), batch_size=3, num_workers=1, max_retries=1) as stream:
+        seen: list[Any] = []
         with pytest.raises(WorkerCrashedError) as info:
-            drive(mode, stream)
-    assert info.value.indices == [3, 4, 5]  # type: ignore[attr-defined]
+            drive(mode, stream, lambda i, b: seen.append(b.tolist()))
+    assert seen == [[0, 1, 2]]
+    assert info.value.indices == [4]  # type: ignore[attr-defined]
     assert info.value.attempts == 2  # type: ignore[attr-defined]
+    assert str(info.value).startswith(
+        "stream item 4 (run alone after micro-batch 1 of the stream (source items 3..5) was lost "
+        "to a dying worker) was lost to a dying worker 2 times"
+    ), info.value
 
 
 def test_timeout_kills_a_stuck_worker(mode: str) -> None:
     with StreamLoader(range(6), HangOn(3), batch_size=2, num_workers=1, timeout=0.5) as stream:
         with pytest.raises(LoaderTimeout) as info:
             drive(mode, stream)
-    assert info.value.indices == [2, 3]  # type: ignore[attr-defined]
+    assert info.value.indices == [3]  # type: ignore[attr-defined]
+    assert str(info.value).startswith("stream item 3 (run alone after micro-batch 1 of the stream")
+
+
+def test_an_item_that_kills_its_worker_names_itself(mode: str) -> None:
+    with StreamLoader(range(12), ExitOn(7), batch_size=4, num_workers=2) as stream:
+        seen: list[Any] = []
+        with pytest.raises(WorkerCrashedError) as info:
+            drive(mode, stream, lambda i, b: seen.append(b.tolist()))
+        assert stream.stats().isolated == 1
+    assert seen == [[0, 1, 2, 3]]  # in order: the batches before the culprit's
+    assert info.value.indices == [7] and info.value.exitcode == 3  # type: ignore[attr-defined]
+    assert info.value.attempts == 3  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("fetched", [False, True], ids=["items", "fetch"])
+def test_on_error_skip_drops_an_item_that_kills_its_worker(mode: str, fetched: bool) -> None:
+    # The rest of its micro-batch is still one batch, in its place in the order.
+    fetch = fetch_same if fetched else None
+    kw: dict[str, Any] = {"batch_size": 4, "num_workers": 2, "on_error": "skip", "fetch": fetch}
+    with StreamLoader(range(12), ExitOn(7), **kw) as stream:
+        got = drive(mode, stream)
+        st = stream.stats()
+    assert as_lists(got) == [[0, 1, 2, 3], [4, 5, 6], [8, 9, 10, 11]]
+    assert st.skipped == 1 and st.isolated == 1 and st.retries >= 2
+
+
+def test_on_error_skip_drops_an_item_that_overruns_the_timeout(mode: str) -> None:
+    kw: dict[str, Any] = {"batch_size": 3, "num_workers": 1, "timeout": 0.5, "on_error": "skip"}
+    with StreamLoader(range(6), HangOn(3), **kw) as stream:
+        got = drive(mode, stream)
+        st = stream.stats()
+    assert as_lists(got) == [[0, 1, 2], [4, 5]]
+    assert st.skipped == 1 and st.isolated == 1
 
 
 def test_unpicklable_exception_becomes_remote_error() -> None:

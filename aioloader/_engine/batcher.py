@@ -10,40 +10,58 @@ a slow consumer does not shrink batches.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import Any
 
 from .. import _stream_worker
+from ..errors import LoaderTimeout, WorkerCrashedError
 from ..errors import add_note as _add_note
 from .epochs import WorkerSide
 from .feeds import EXHAUSTED, TIMEOUT, Feed
+from .isolate import Joined, Rerun
 
 __all__ = ["Batcher", "StreamUnit"]
 
 
 class StreamUnit:
-    """Micro-batch ``key`` of iteration ``group``: source items ``first..first+size-1``."""
+    """Micro-batch ``key`` of iteration ``group``: source items ``first..first+size-1``.
 
-    __slots__ = ("_side", "first", "group", "items", "key", "positions", "size")
+    Lost to a dying worker or overrunning ``timeout``, it runs again one item a task
+    (:mod:`aioloader._engine.isolate`), then once more as one task without the items
+    that failed alone (see :meth:`rejoin`)."""
+
+    __slots__ = (
+        "_label", "_side", "first", "group", "items", "key", "names_indices", "positions", "size", "skip",
+    )  # fmt: skip
 
     fn = staticmethod(_stream_worker.run_stream_batch)
 
-    def __init__(self, side: WorkerSide, iteration: int, seq: int, first: int, items: list[Any]) -> None:
+    def __init__(
+        self, side: WorkerSide, iteration: int, seq: int, first: int, items: list[Any], skip: bool = False
+    ) -> None:
         self._side = side
         self.group = iteration
         self.key = seq
         self.first = first
         self.items = items
         self.size = len(items)
+        self.skip = skip  # on_error="skip": an item that fails alone is skipped, not raised
         self.positions: list[int] | None = None  # with fetch=: source positions of the items kept
+        self._label: str | None = None  # a part of a lost micro-batch says what it is
+        self.names_indices = False
 
     @property
     def label(self) -> str:
+        if self._label is not None:
+            return self._label
         return (
             f"micro-batch {self.key} of the stream (source items {self.first}..{self.first + self.size - 1})"
         )
 
     @property
-    def indices(self) -> range:
+    def indices(self) -> Sequence[int]:
+        if self._label is not None and self.positions is not None:
+            return self.positions
         return range(self.first, self.first + self.size)
 
     def make_task(self, task_id: int, with_payload: bool) -> _stream_worker.StreamTask:
@@ -66,14 +84,70 @@ class StreamUnit:
         good): no task of it is made again, so the fetched items are not needed."""
         self.items = []
 
+    # ------------------------------------------------------------- isolation
+    @property
+    def divisible(self) -> bool:
+        return len(self.items) > 1
+
+    def _where(self) -> Sequence[int]:
+        if self.positions is not None:
+            return self.positions
+        return range(self.first, self.first + len(self.items))
+
+    def _part(self, positions: list[int], items: list[Any], label: str, names_indices: bool) -> StreamUnit:
+        part = StreamUnit(self._side, self.group, self.key, positions[0], items, self.skip)
+        part.positions, part._label, part.names_indices = positions, label, names_indices
+        return part
+
+    def divide(self, why: str) -> list[StreamUnit]:
+        """One unit per item, named by its source position."""
+        after = f"run alone after {self.label} {why}"
+        return [
+            self._part([pos], [item], f"stream item {pos} ({after})", True)
+            for pos, item in zip(self._where(), self.items, strict=True)
+        ]
+
+    def rejoin(self, parts: Sequence[StreamUnit], outcomes: Sequence[Any]) -> Joined | Rerun:
+        """The micro-batch is one collated batch, and an item run alone was collated
+        alone: so the items that came through run again as one task. An item that
+        failed alone raises its error (the first in source order); with
+        ``on_error="skip"`` one that killed its worker or overran is skipped instead,
+        as an item whose ``fn`` raised."""
+        kept: list[tuple[int, Any]] = []
+        skipped: list[tuple[int, str]] = []
+        for part, out in zip(parts, outcomes, strict=True):
+            pos = part.first
+            if isinstance(out, BaseException):
+                if not (self.skip and isinstance(out, (WorkerCrashedError, LoaderTimeout))):
+                    raise out
+                skipped.append((pos, f"{type(out).__name__}: {out}"))
+            elif out.n_items:
+                kept.append((pos, part.items[0]))
+            else:  # its fn raised, skipped by the worker
+                skipped.extend(out.skipped)
+        if not kept:
+            return Joined(None, tuple(skipped))
+        label = self.label
+        if skipped:
+            label = f"{label} without source items {[p for p, _ in skipped]}"
+        again = self._part([p for p, _ in kept], [v for _, v in kept], label, False)
+        return Rerun(again, tuple(skipped))
+
 
 class Batcher:
     """Groups a feed's items into :class:`StreamUnit` objects (see the module docstring)."""
 
     def __init__(
-        self, side: WorkerSide, feed: Feed, iteration: int, batch_size: int, max_latency: float | None
+        self,
+        side: WorkerSide,
+        feed: Feed,
+        iteration: int,
+        batch_size: int,
+        max_latency: float | None,
+        skip: bool = False,
     ) -> None:
         self.side = side
+        self.skip = skip  # on_error="skip", for the units' isolation
         self.feed = feed
         self.iteration = iteration
         self.batch_size = batch_size
@@ -125,7 +199,7 @@ class Batcher:
             self.pulled += 1
         seq = self.submitted
         self.submitted += 1
-        return StreamUnit(self.side, self.iteration, seq, start, items)
+        return StreamUnit(self.side, self.iteration, seq, start, items, self.skip)
 
     async def aclose(self) -> None:
         await self.feed.aclose()

@@ -40,7 +40,12 @@ class Raised:
 
 
 class Split(Exception):
-    """Dispatcher → group stage, never to a user: a group's worker died holding it."""
+    """Dispatcher → group or isolation stage, never to a user: the task of several units
+    (or items) was lost to its own dying worker, or overran; ``why`` says which."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why
 
 
 class Named(Protocol):
@@ -104,10 +109,10 @@ class Dispatcher:
 
         ``named.label`` names the work in error messages ("batch 3 of epoch 0") and
         ``named.indices`` its samples; both are read only when needed (this runs for
-        every batch). ``split``: the task is several units (a group); its worker dying
-        while it held the task, or the task overrunning its timeout, raises
-        :class:`Split` instead, so that the units run again one per task and only the
-        culprit is charged or named.
+        every batch). ``split``: the task is several units (a group) or items (a
+        micro-batch); its worker dying while it held the task, or the task overrunning
+        its timeout, raises :class:`Split` instead, so that they run again one per task
+        and only the culprit is charged or named.
         """
         loop = asyncio.get_running_loop()
         pool = self.pool
@@ -137,8 +142,10 @@ class Dispatcher:
                 if self.is_closed():
                     raise LoaderClosedError("the loader was closed while this batch was pending") from None
                 info = await loop.run_in_executor(None, pool.recover, gen)
-                if split and (task_id in self._timed_out or task_id in info.charged):
-                    raise Split from None
+                if split and task_id in self._timed_out:
+                    raise Split(f"overran timeout={self.timeout} s") from None
+                if split and task_id in info.charged:
+                    raise Split("was lost to a dying worker") from None
                 if task_id in self._timed_out:
                     raise self._timeout_error(named, self._timed_out[task_id]) from None
                 if task_id in info.charged:
@@ -236,9 +243,12 @@ class Dispatcher:
 
 
 def _name(named: Named) -> str:
-    """``"batch 3 of epoch 0 (sample indices [...])"``; the label alone without indices."""
+    """``"batch 3 of epoch 0 (sample indices [...])"``; the label alone without indices,
+    or when it names them itself (``names_indices``: a request, an item run alone)."""
     indices = named.indices
-    return f"{named.label} (sample indices {_short(indices)})" if len(indices) else named.label
+    if not len(indices) or getattr(named, "names_indices", False):
+        return named.label
+    return f"{named.label} (sample indices {_short(indices)})"
 
 
 def _as_list(indices: Any) -> list[int]:

@@ -39,10 +39,10 @@ from typing import Any
 
 import numpy as np
 
-from .. import _stream_worker
 from ..errors import DeadlineExceeded, LoaderClosedError, Overloaded
 from .admission import HEADROOM, CostModel
 from .epochs import WorkerSide
+from .serve_unit import ServeUnit
 
 __all__ = ["Request", "RequestQueue", "ServeCounters", "ServeUnit"]
 
@@ -87,35 +87,6 @@ class ServeCounters:
         self.queue_wait: deque[float] = deque(maxlen=10_000)
         self.service: deque[float] = deque(maxlen=10_000)
         self.sizes: Counter[int] = Counter()
-
-
-class ServeUnit:
-    """One micro-batch of requests (a stream task of ``(request id, item)`` pairs)."""
-
-    __slots__ = ("_side", "group", "key", "requests", "size")
-
-    fn = staticmethod(_stream_worker.run_stream_batch)
-
-    def __init__(self, side: WorkerSide, seq: int, requests: list[Request]) -> None:
-        self._side = side
-        self.group = 0
-        self.key = seq
-        self.requests = requests
-        self.size = len(requests)
-
-    @property
-    def label(self) -> str:
-        return f"micro-batch {self.key} (requests {[r.rid for r in self.requests]})"
-
-    @property
-    def indices(self) -> list[int]:
-        return [r.rid for r in self.requests]
-
-    def make_task(self, task_id: int, with_payload: bool) -> _stream_worker.StreamTask:
-        side = self._side
-        payload = side.inline if side.inline is not None else side.payload() if with_payload else None
-        pairs = [(r.rid, r.item) for r in self.requests]
-        return _stream_worker.StreamTask(side.token, task_id, self.key, self.requests[0].rid, pairs, payload)
 
 
 class RequestQueue:
@@ -372,7 +343,9 @@ class RequestQueue:
 
         self._wake()  # a worker is free: a micro-batch being filled may go now
         now = _clock()
-        if error is None:  # (a timed-out or crashed micro-batch says nothing of the cost)
+        # A micro-batch that failed, or whose requests ran alone after a loss, tells
+        # nothing of what one costs.
+        if error is None and not unit.isolated:
             self.model.answered(unit.size, unit.requests[0].dispatched, now, self.waiting > 0)
         answered: list[tuple[float, float]] = []  # (seconds from submit, estimate)
         for k, req in enumerate(unit.requests):

@@ -45,6 +45,7 @@ from .._wake import waker_for
 from .dispatch import Dispatcher, Raised, cancelling
 from .fetch import FetchStage, nbytes
 from .group import GroupStage
+from .isolate import IsolateStage
 from .units import Delivery, RunConfig, Unit, UnitSource, closed_while_iterating
 
 __all__ = ["Run"]
@@ -82,6 +83,7 @@ class Run:
         # iterable dataset's units are batches its long-running shard tasks send.
         self._source_runs: Callable[[Any], Any] | None = getattr(source, "execute", None)
         self.grouper: GroupStage | None = None
+        self.isolator = IsolateStage(self.dispatcher, cfg.recorder) if cfg.isolate else None
         if cfg.group is not None and self.fetcher is None and self._source_runs is None:
             self.grouper = GroupStage(self.dispatcher, cfg.group)
         self.closed = False
@@ -184,11 +186,13 @@ class Run:
                 return await self._source_runs(unit)
             if self.fetcher is not None:
                 return await self.fetcher.run(unit, lambda make_task: self._dispatch(unit, make_task))
-            return await self.dispatcher.run(unit.fn, unit.make_task, unit)
+            return await self._dispatch(unit, unit.make_task)
         except (SystemExit, KeyboardInterrupt) as exc:
             return Raised(exc)
 
     def _dispatch(self, unit: Unit, make_task: Callable[[int, bool], Any]) -> Any:
+        if self.isolator is not None:  # a micro-batch: lost, it runs again one item a task
+            return self.isolator.run(unit, make_task)
         return self.dispatcher.run(unit.fn, make_task, unit)
 
     # ------------------------------------------------------------------ consumer

@@ -68,6 +68,7 @@ class RunConfig:
     fail_fast: bool = True  # a unit's error ends the run (loaders); False: it is delivered (serving)
     fetch: FetchConfig | None = None  # a fetch stage between the window and the dispatcher
     group: GroupPolicy | None = None  # several units per pool task (units with no fetch stage)
+    isolate: bool = False  # a lost micro-batch runs again one item a task (see isolate.py)
 
 
 class Delivery(NamedTuple):
