@@ -43,7 +43,7 @@ from ._shm._dataseg import DataSegment
 from ._stats import LoaderStats, Recorder
 from ._trace import Tracer
 from ._transport import Transport, TransportKind, make_transport
-from ._validate import check_choice, check_int
+from ._validate import check_choice, check_int, check_num_workers
 from .errors import LoaderClosedError
 
 __all__ = ["IterableLoader", "Lifecycle", "LoaderBase", "Pass"]
@@ -124,7 +124,7 @@ class LoaderBase:
         if isinstance(num_workers, str) and num_workers == "auto":
             num_workers, why = available_cpus()
             settings.append(f"num_workers='auto' chose {num_workers}: {why}")
-        num_workers = check_int("num_workers", num_workers, 0)
+        num_workers = check_num_workers(num_workers)
         auto_prefetch = isinstance(prefetch, str) and prefetch == "auto"
         if prefetch is not None and not auto_prefetch:
             prefetch = check_int("prefetch", prefetch, 1)

@@ -40,7 +40,7 @@ from typing import Any, Literal
 from . import _byvalue, _forkserver, _reply, _slots, _worker
 from ._cpus import available_cpus
 from ._generation import Generation, concurrency_of, interpreter_exiting, live_boxes
-from ._slots import CrashInfo, Slots, describe_exit
+from ._slots import CrashInfo, Slots, describe_exit, torch_crash_words
 from ._validate import default_mp_context, resolve_context
 from ._wake import Waker, waker_for
 from .errors import LoaderClosedError, PoolBrokenError
@@ -54,6 +54,7 @@ __all__ = [
     "concurrency_of",
     "default_mp_context",
     "describe_exit",
+    "torch_crash_words",
 ]
 
 PoolKind = Literal["process", "thread", "external"]
@@ -368,12 +369,15 @@ class WorkerPool:
     def _conclude(self, gen: Generation) -> CrashInfo:
         dead, rows = gen.final_deaths()
         charged: dict[int, int | None] = {}
+        pids: dict[int, int] = {}
         for pid, code in dead.items():
             phase, task_id, _ = rows.get(pid, (Slots.STARTING, -1, 0))
             if phase >= Slots.ACCEPTED and task_id >= 0:
                 charged[task_id] = code
+                pids[task_id] = pid
         ready = any(phase >= Slots.READY for phase, _, _ in rows.values())
-        info = CrashInfo(charged, startup=gen.processes is not None and not ready and bool(dead or gen.failure))
+        startup = gen.processes is not None and not ready and bool(dead or gen.failure)
+        info = CrashInfo(charged, startup=startup, pids=pids)
         self._start_failures = self._start_failures + 1 if info.startup else 0
         if self._start_failures >= MAX_START_FAILURES:
             self._start_failures = 0

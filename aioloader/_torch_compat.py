@@ -17,7 +17,7 @@ from multiprocessing.context import BaseContext
 from typing import Any
 
 from ._pool import concurrency_of
-from ._validate import check_bool, check_int, resolve_context
+from ._validate import check_bool, check_int, check_num_workers, resolve_context
 
 __all__ = [
     "PinningPass",
@@ -109,7 +109,7 @@ def resolve_torch_args(
 ) -> TorchArgs:
     """Fold torch's keywords into aioloader's; a ValueError names both parameters of a
     conflicting pair, and a bad value raises an error naming its parameter."""
-    if check_bool("persistent_workers", persistent_workers) and check_int("num_workers", num_workers, 0) == 0:
+    if check_bool("persistent_workers", persistent_workers) and check_num_workers(num_workers) == 0:
         # torch refuses it too; accepting it would hide a setting that does nothing here
         raise ValueError(
             "persistent_workers=True needs num_workers > 0 (as in torch); aioloader's workers "
@@ -121,7 +121,7 @@ def resolve_torch_args(
                 "pass prefetch or prefetch_factor, not both (prefetch = prefetch_factor * num_workers)"
             )
         prefetch_factor = check_int("prefetch_factor", prefetch_factor, 1)
-        workers = check_int("num_workers", num_workers, 0)
+        workers = check_num_workers(num_workers)
         if workers == 0:
             raise ValueError(
                 f"prefetch_factor={prefetch_factor} needs num_workers > 0 (as in torch); with "

@@ -13,8 +13,10 @@ import asyncio
 import concurrent.futures as cf
 import dataclasses
 import functools
+import inspect
 import os
 import secrets
+import warnings
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from multiprocessing.context import BaseContext
@@ -24,6 +26,7 @@ import numpy as np
 
 from . import _worker
 from ._collate import collate_torch, convert_torch, default_collate, default_convert, is_torch_dataset
+from ._cpus import available_cpus
 from ._engine.epochs import Cursor, EpochPass, EpochSource, Parked, WorkerSide
 from ._engine.fetch import DEFAULT_IO_BUFFER, FetchConfig, resolve_remote
 from ._engine.group import policy_for
@@ -41,6 +44,7 @@ from ._validate import (
     check_choice,
     check_int,
     check_map_dataset,
+    check_num_workers,
     check_sampling,
     check_seconds,
     check_seed_samples,
@@ -163,17 +167,24 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
         self,
         dataset: MapDataset[Any],
         batch_size: int | None = 1,
-        *,
-        shuffle: bool = False,
-        sampler: Sampler | Iterable[int] | None = None,
+        shuffle: bool | None = None,
+        sampler: Sampler | Iterable[Any] | None = None,
         batch_sampler: BatchSampler | None = None,
-        last_batch: LastBatch = "keep",
-        drop_last: bool | None = None,
-        collate_fn: CollateFn | Callable[[list[Any]], Any] | None = None,
         num_workers: int | Literal["auto"] = 0,
-        prefetch: int | Literal["auto"] | None = None,
-        timeout: float | None = None,
+        collate_fn: CollateFn | Callable[[list[Any]], Any] | None = None,
+        pin_memory: bool = False,
+        drop_last: bool = False,
+        timeout: float | None = 0,
         worker_init_fn: Callable[[int], Any] | None = None,
+        multiprocessing_context: str | BaseContext | None = None,
+        generator: Any = None,
+        *,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        pin_memory_device: str = "",
+        in_order: bool | None = None,
+        last_batch: LastBatch = "keep",
+        prefetch: int | Literal["auto"] | None = None,
         mp_context: str | BaseContext | None = None,
         seed: int | None = None,
         ordered: bool | None = None,
@@ -188,13 +199,6 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
         prefetch_next_epoch: bool = True,
         seed_samples: bool | Literal["batch", "sample"] = "batch",
         trace: str | os.PathLike[str] | None = None,
-        prefetch_factor: int | None = None,
-        persistent_workers: bool = False,
-        pin_memory: bool = False,
-        pin_memory_device: str = "",
-        generator: Any = None,
-        multiprocessing_context: str | BaseContext | None = None,
-        in_order: bool | None = None,
         fetch: Callable[[Any], Awaitable[Any]] | None = None,
         transform: Callable[[Any], Any] | None = None,
         io_concurrency: int = 64,
@@ -209,7 +213,7 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
             check_unbatched(batch_sampler, drop_last, last_batch)
         batch_size_given = batch_size != 1 and not unbatched
         batch_size = 1 if batch_size is None else check_int("batch_size", batch_size, 1)
-        shuffle = check_bool("shuffle", shuffle)
+        shuffle = False if shuffle is None else check_bool("shuffle", shuffle)  # None: torch's default
         torch_args = resolve_torch_args(
             num_workers=workers_of(num_workers, pool, executor), prefetch=prefetch, prefetch_factor=prefetch_factor,
             ordered=ordered, in_order=in_order, seed=seed, generator=generator,
@@ -260,6 +264,8 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
         self.prefetch_next_epoch = prefetch_next_epoch
         self.seed_samples = seed_mode
         self.seed: int = seed if seed is not None else secrets.randbits(63)
+        if pool is None and executor is None:
+            _warn_if_oversubscribed(num_workers)
         self._setup(
             num_workers=num_workers, mp_context=torch_args.mp_context, pool=pool, executor=executor,
             prefetch=torch_args.prefetch, transport=transport, trace=trace,
@@ -438,6 +444,29 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
             f"<aioloader.DataLoader batch_size={self.batch_size} num_workers={self.num_workers} "
             f"prefetch={self.prefetch} {self._state.value}>"
         )
+
+
+def _warn_if_oversubscribed(num_workers: Any) -> None:
+    """torch's warning for more workers than the CPUs this process may use (its
+    affinity mask and cgroup quota): they would only take turns on them."""
+    if isinstance(num_workers, str) and num_workers == "auto":
+        return
+    workers = check_num_workers(num_workers)
+    cpus, why = available_cpus()
+    if workers <= cpus:
+        return
+    # Point at the user's DataLoader(...) call, past aioloader's own frames.
+    level, frame = 1, inspect.currentframe()
+    here = os.path.dirname(__file__)
+    while frame is not None and os.path.dirname(frame.f_code.co_filename) == here:
+        level, frame = level + 1, frame.f_back
+    warnings.warn(
+        f"This DataLoader will create {workers} worker processes in total, more than the {cpus} CPUs "
+        f"this process may use ({why}): the workers would take turns on them, which may make loading "
+        "slow or even freeze it. Lower num_workers, or pass num_workers='auto' for one per CPU",
+        UserWarning,
+        stacklevel=level,
+    )
 
 
 def _plan_ahead(planner: BatchPlanner, dataset: Any, epoch: int, carry: np.ndarray) -> EpochPlan:

@@ -391,7 +391,10 @@ class DistributedSampler:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size!r}")
         if not 0 <= rank < world_size:
-            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank!r}")
+            raise ValueError(
+                f"rank must be in [0, world_size={world_size}), got {rank!r}; "
+                f"Invalid rank {rank}, rank should be in the interval [0, {world_size - 1}]"
+            )
         self.length = check_length(length, "length")
         self.rank = rank
         self.world_size = world_size
