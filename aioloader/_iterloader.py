@@ -21,7 +21,7 @@ from . import _worker
 from ._engine.epochs import WorkerSide
 from ._engine.run import Run
 from ._engine.shards import ShardPosition, ShardSource
-from ._engine.units import Delivery
+from ._engine.units import Delivery, RunConfig
 from ._facade import Pass
 from ._stats import Recorder
 from ._torch_compat import PinningPass
@@ -195,6 +195,10 @@ class IterableDataLoader(DataLoader[Any]):
                 run, position, self._lock, self._recorder, self._end_shard_pass
             )
             return p if self._pin is None else PinningPass(p, self._pin)
+
+    def _run_config(self) -> RunConfig:
+        # An exception ends the worker's Python iterator it came from: the epoch ends with it.
+        return self._config(ordered=self.ordered, group=None, fail_fast=True)
 
     def _end_shard_pass(self, p: _ShardPass) -> None:
         with self._lock:

@@ -87,6 +87,7 @@ def check_sampling(
     """The DataLoader's sampling options checked together; returns ``last_batch`` with
     ``drop_last`` (torch's spelling) folded in."""
     check_choice("last_batch", last_batch, ("keep", "discard", "rollover"))
+    last_batch_given = last_batch != "keep"  # before drop_last=True is folded into it
     if drop_last is not None:
         drop_last = check_bool("drop_last", drop_last)
         if drop_last and last_batch not in ("keep", "discard"):
@@ -100,7 +101,7 @@ def check_sampling(
                 ("batch_size", batch_size_given),
                 ("shuffle", shuffle),
                 ("sampler", sampler is not None),
-                ("last_batch", last_batch != "keep"),
+                ("last_batch", last_batch_given),
                 ("drop_last=True", drop_last is True),
             )
             if given

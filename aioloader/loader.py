@@ -276,6 +276,7 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
         self._planner = BatchPlanner(
             length, batch_size=batch_size, shuffle=shuffle, sampler=sampler, batch_sampler=batch_sampler,
             last_batch=last_batch, seed=self.seed, shard=self.shard, shard_policy=shard_policy,
+            keyed=unbatched and fetch is None,
         )  # fmt: skip
         self._next = Cursor(0)  # where the next fresh iteration starts
         self._active: EpochPass | None = None  # the newest iteration, for state_dict()
@@ -419,7 +420,9 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
             return p if self._pin is None else PinningPass(p, self._pin)
 
     def _run_config(self) -> RunConfig:
-        return self._config(ordered=self.ordered, fetch=self._fetch, group=self._group)
+        # fail_fast=False: a batch that raises is delivered as its error, and the run goes
+        # on, so an iterator asked again after an error gives the next batch (as torch's).
+        return self._config(ordered=self.ordered, fetch=self._fetch, group=self._group, fail_fast=False)
 
     def _end_pass(self, p: EpochPass) -> bool:
         """Called when pass ``p`` ends: park its run if it went on into the epoch the

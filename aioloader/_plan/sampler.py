@@ -25,7 +25,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from .._validate import check_int
-from .indices import batch_sampler_batches, check_length, dataset_length, sampler_order
+from .indices import batch_sampler_batches, check_length, dataset_length, sampler_keys, sampler_order
 from .permute import IndexShuffle
 
 __all__ = [
@@ -102,10 +102,10 @@ class _Order(Protocol):
 class _ArrayOrder:
     """An order that exists as an array (from a user's sampler)."""
 
-    def __init__(self, order: NDArray[np.int64]) -> None:
+    def __init__(self, order: NDArray[Any]) -> None:
         self.order = order
         self.count = len(order)
-        self.dtype: IndexType = np.int64
+        self.dtype: IndexType = np.int64 if order.dtype != object else order.dtype.type
 
     def take(self, lo: int, hi: int) -> Indices:
         return self.order[lo:hi]
@@ -289,8 +289,10 @@ class BatchPlanner:
         seed: int,
         shard: tuple[int, int],
         shard_policy: ShardPolicy,
+        keyed: bool = False,
     ) -> None:
         self.length = check_length(length, "len(dataset)")
+        self.keyed = keyed  # batch_size=None: a sampler may yield any key, as in torch
         self.batch_size = check_int("batch_size", batch_size, 1)
         self.shuffle = shuffle
         self.sampler = sampler
@@ -308,7 +310,7 @@ class BatchPlanner:
     def _order(self, epoch: int, n: int) -> _Order:
         if self.sampler is not None:
             _set_epoch(self.sampler, epoch)
-            order = sampler_order(self.sampler, n)
+            order = sampler_keys(self.sampler, n) if self.keyed else sampler_order(self.sampler, n)
             return _ArrayOrder(shard_indices(order, self.rank, self.world_size, self.shard_policy))
         shuffle = IndexShuffle(n, self.seed, epoch) if self.shuffle else None
         return _ComputedOrder(n, self.rank, self.world_size, self.shard_policy, shuffle)
