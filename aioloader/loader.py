@@ -75,13 +75,14 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
             sample is a batch of its own, given alone (not in a list) to ``collate_fn``,
             whose default is then :func:`~aioloader.default_convert`. Excludes
             ``batch_sampler``, ``drop_last=True`` and ``last_batch`` other than ``"keep"``.
-        shuffle: reshuffle every epoch; the order of epoch ``e`` is a pure function of
+        shuffle: reshuffle every epoch (``None``, torch's default, means ``False``); the order of epoch ``e`` is a pure function of
             ``(seed, e, len(dataset))``. ``len(dataset)`` is read again as each epoch
             begins, so a dataset that grew between epochs is seen whole by the next one.
         sampler: a re-iterable of indices (its ``set_epoch(e)`` is called before each
-            epoch). Excludes ``shuffle``.
+            epoch). Excludes ``shuffle=True``. With ``batch_size=None`` it may yield any
+            key (a list of indices, say), passed to ``dataset[key]`` as torch passes it.
         batch_sampler: a re-iterable of index sequences. Excludes ``batch_size``,
-            ``shuffle``, ``sampler``, ``last_batch`` and ``drop_last``.
+            ``shuffle=True``, ``sampler``, ``last_batch`` and ``drop_last=True``.
         last_batch: ``"keep"`` the incomplete last batch, ``"discard"`` it, or
             ``"rollover"``: carry its samples to the front of the next epoch.
         drop_last: torch's spelling: ``True`` means ``last_batch="discard"``.
@@ -90,14 +91,16 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
         num_workers: worker processes; ``0`` builds batches in one background thread;
             ``"auto"``: as many as the CPUs this process may use (its affinity mask and
             cgroup CPU quota, not ``os.cpu_count()``); ``stats().settings`` says what was
-            chosen and why.
+            chosen and why. More than those CPUs warns (``UserWarning``), as torch does.
         prefetch: most batches submitted, running or waiting for the consumer at once
             (default ``2 * num_workers``, at least 2). ``"auto"`` starts there and grows, up
             to 8x, while batches are cheap (see ``batches_per_task``); ``stats().window``.
         timeout: seconds a batch may take from the moment a worker starts it; on expiry
             :class:`~aioloader.LoaderTimeout` is raised and the worker is killed. ``None``
             or ``0`` (torch's default): none.
-        worker_init_fn: called once in each worker with the worker's id.
+        worker_init_fn: called once in each worker with the worker's id. A seed it sets
+            for ``random``, numpy or torch is replaced by the per-batch seeding; pass
+            ``seed_samples=False`` to keep it.
         mp_context: start method name or context (default ``forkserver``, else ``spawn``).
         seed: seeds the shuffle and the samples' randomness; ``None`` draws one (``loader.seed``).
         ordered: deliver batches in sampler order (``True``, the default) or as they complete.
@@ -146,6 +149,11 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
         batches_per_task: batches a worker builds in one pool task; ``"auto"`` groups cheap
             batches (under about 2 ms of worker time) up to ``prefetch // num_workers`` a task,
             to spare the consumer's process a task's cost per batch. See :doc:`performance`.
+
+    The positional parameters are torch's, in torch's order (``DataLoader(ds, 32, True)``
+    shuffles); aioloader's own are keyword-only. A batch that raises reaches the consumer
+    as its exception, and the iterator goes on: ``next()`` again gives the next batch
+    (as torch's iterator does); a ``for`` loop ends there, as the exception leaves it.
 
     Each of torch's spellings that says the same as one of aioloader's (``prefetch`` and
     ``prefetch_factor``, ``ordered`` and ``in_order``, ``mp_context`` and
