@@ -34,7 +34,8 @@ from typing import Any, ClassVar, Protocol, TypeVar
 from . import _worker
 from ._cpus import available_cpus
 from ._engine.run import Run
-from ._engine.units import Delivery, Failed, RunConfig, closed_while_iterating
+from ._engine.units import Delivery, RunConfig, closed_while_iterating
+from ._goes_on import GoesOn, GoesOnAsync
 from ._payload import pickle_for_workers
 from ._pool import WorkerPool
 from ._portal import END, Feed, Portal
@@ -363,7 +364,7 @@ class IterableLoader(LoaderBase):
         raise NotImplementedError
 
     def __aiter__(self) -> AsyncIterator[Any]:
-        return _GoesOnAsync(self._aiterate())
+        return GoesOnAsync(self._aiterate())
 
     async def _aiterate(self) -> AsyncIterator[Any]:
         p = await self._begin()
@@ -382,7 +383,7 @@ class IterableLoader(LoaderBase):
         portal = self._portal()
         if portal.in_portal():
             raise RuntimeError(f"cannot iterate a {self._kind} synchronously from its own event-loop thread")
-        return _GoesOn(self._iterate(portal))
+        return GoesOn(self._iterate(portal))
 
     def _iterate(self, portal: Portal) -> Iterator[Any]:
         # A generator: the pass begins at the first next(), so an iterator created and
@@ -410,61 +411,6 @@ class IterableLoader(LoaderBase):
             if not portal.loop.is_closed():
                 with contextlib.suppress(RuntimeError, cf.TimeoutError, LoaderClosedError):
                     portal.call(_close_feed_and_finish(feed, p), timeout=30.0)
-
-
-# The faces are generators (their cleanup runs when they are closed or collected, and an
-# async one is finalised by its event loop), wrapped so that a batch's error is raised
-# without ending them: a generator that raises is over, and torch's iterator goes on
-# after a failed batch. The wrappers drop their own reference before raising, so that
-# the error's traceback does not keep the iteration alive after a `for` loop it ended.
-
-
-class _GoesOn(Iterator[Any]):
-    __slots__ = ("_gen",)
-
-    def __init__(self, gen: Iterator[Any]) -> None:
-        self._gen = gen
-
-    def __iter__(self) -> _GoesOn:
-        return self
-
-    def __next__(self) -> Any:
-        item = next(self._gen)
-        if type(item) is Failed:
-            error = item.error
-            del self, item
-            raise error
-        return item
-
-    def close(self) -> None:
-        """End the iteration now (as closing a generator does)."""
-        close = getattr(self._gen, "close", None)
-        if close is not None:
-            close()
-
-
-class _GoesOnAsync(AsyncIterator[Any]):
-    __slots__ = ("_agen",)
-
-    def __init__(self, agen: AsyncIterator[Any]) -> None:
-        self._agen = agen
-
-    def __aiter__(self) -> _GoesOnAsync:
-        return self
-
-    async def __anext__(self) -> Any:
-        item = await self._agen.__anext__()
-        if type(item) is Failed:
-            error = item.error
-            del self, item
-            raise error
-        return item
-
-    async def aclose(self) -> None:
-        """End the iteration now (as closing an async generator does)."""
-        aclose = getattr(self._agen, "aclose", None)
-        if aclose is not None:
-            await aclose()
 
 
 def _cleanup(

@@ -40,7 +40,7 @@ from typing import Any, Literal
 from . import _byvalue, _forkserver, _reply, _slots, _worker
 from ._cpus import available_cpus
 from ._generation import Generation, concurrency_of, interpreter_exiting, live_boxes
-from ._slots import CrashInfo, Slots, describe_exit, torch_crash_words
+from ._slots import CrashInfo, Slots, describe_exit
 from ._validate import default_mp_context, resolve_context
 from ._wake import Waker, waker_for
 from .errors import LoaderClosedError, PoolBrokenError
@@ -54,7 +54,6 @@ __all__ = [
     "concurrency_of",
     "default_mp_context",
     "describe_exit",
-    "torch_crash_words",
 ]
 
 PoolKind = Literal["process", "thread", "external"]
@@ -373,8 +372,7 @@ class WorkerPool:
         for pid, code in dead.items():
             phase, task_id, _ = rows.get(pid, (Slots.STARTING, -1, 0))
             if phase >= Slots.ACCEPTED and task_id >= 0:
-                charged[task_id] = code
-                pids[task_id] = pid
+                charged[task_id], pids[task_id] = code, pid
         ready = any(phase >= Slots.READY for phase, _, _ in rows.values())
         startup = gen.processes is not None and not ready and bool(dead or gen.failure)
         info = CrashInfo(charged, startup=startup, pids=pids)

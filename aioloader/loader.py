@@ -13,20 +13,15 @@ import asyncio
 import concurrent.futures as cf
 import dataclasses
 import functools
-import inspect
 import os
 import secrets
-import warnings
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from multiprocessing.context import BaseContext
 from typing import Any, Generic, Literal
 
-import numpy as np
-
 from . import _worker
 from ._collate import collate_torch, convert_torch, default_collate, default_convert, is_torch_dataset
-from ._cpus import available_cpus
 from ._engine.epochs import Cursor, EpochPass, EpochSource, Parked, WorkerSide
 from ._engine.fetch import DEFAULT_IO_BUFFER, FetchConfig, resolve_remote
 from ._engine.group import policy_for
@@ -34,9 +29,9 @@ from ._engine.resume import Resumable
 from ._engine.run import Run
 from ._engine.units import RunConfig
 from ._facade import IterableLoader, Lifecycle, Pass
-from ._plan.sampler import BatchPlanner, EpochPlan, LastBatch, ShardPolicy, dataset_length
+from ._plan.sampler import BatchPlanner, LastBatch, ShardPolicy, dataset_length, plan_ahead
 from ._pool import WorkerPool
-from ._torch_compat import PinningPass, resolve_torch_args, workers_of
+from ._torch_compat import PinningPass, resolve_torch_args, warn_if_oversubscribed, workers_of
 from ._transport import TransportKind
 from ._types import Batch, BatchSampler, CollateFn, MapDataset, Sampler
 from ._validate import (
@@ -44,7 +39,6 @@ from ._validate import (
     check_choice,
     check_int,
     check_map_dataset,
-    check_num_workers,
     check_sampling,
     check_seconds,
     check_seed_samples,
@@ -150,10 +144,9 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
             batches (under about 2 ms of worker time) up to ``prefetch // num_workers`` a task,
             to spare the consumer's process a task's cost per batch. See :doc:`performance`.
 
-    The positional parameters are torch's, in torch's order (``DataLoader(ds, 32, True)``
-    shuffles); aioloader's own are keyword-only. A batch that raises reaches the consumer
-    as its exception, and the iterator goes on: ``next()`` again gives the next batch
-    (as torch's iterator does); a ``for`` loop ends there, as the exception leaves it.
+    The positional parameters are torch's, in torch's order; aioloader's are keyword-only.
+    A batch that raises reaches the consumer as its exception, and the iterator goes on
+    (as torch's): ``next()`` again gives the next batch; a ``for`` loop ends there.
 
     Each of torch's spellings that says the same as one of aioloader's (``prefetch`` and
     ``prefetch_factor``, ``ordered`` and ``in_order``, ``mp_context`` and
@@ -273,7 +266,7 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
         self.seed_samples = seed_mode
         self.seed: int = seed if seed is not None else secrets.randbits(63)
         if pool is None and executor is None:
-            _warn_if_oversubscribed(num_workers)
+            warn_if_oversubscribed(num_workers)
         self._setup(
             num_workers=num_workers, mp_context=torch_args.mp_context, pool=pool, executor=executor,
             prefetch=torch_args.prefetch, transport=transport, trace=trace,
@@ -407,7 +400,7 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
                 plan = self._planner.plan(cur.epoch, cur.carry, length)
                 speculate = self.prefetch_next_epoch and self._planner.custom is None
                 side = WorkerSide(self._token, self.seed, self._shared.get_payload, keys=self._keys)
-                ahead = functools.partial(_plan_ahead, self._planner, self._keys)  # holds no loader
+                ahead = functools.partial(plan_ahead, self._planner, self._keys)  # holds no loader
                 source = EpochSource(side, plan, cur, ahead if speculate else None)
                 run = Run(self._run_config(), source)
                 self._runs.add(run)
@@ -428,8 +421,7 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
             return p if self._pin is None else PinningPass(p, self._pin)
 
     def _run_config(self) -> RunConfig:
-        # fail_fast=False: a batch that raises is delivered as its error, and the run goes
-        # on, so an iterator asked again after an error gives the next batch (as torch's).
+        # fail_fast=False: a failed batch is delivered as its error and the run goes on (torch's way).
         return self._config(ordered=self.ordered, fetch=self._fetch, group=self._group, fail_fast=False)
 
     def _end_pass(self, p: EpochPass) -> bool:
@@ -456,30 +448,3 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
             f"prefetch={self.prefetch} {self._state.value}>"
         )
 
-
-def _warn_if_oversubscribed(num_workers: Any) -> None:
-    """torch's warning for more workers than the CPUs this process may use (its
-    affinity mask and cgroup quota): they would only take turns on them."""
-    if isinstance(num_workers, str) and num_workers == "auto":
-        return
-    workers = check_num_workers(num_workers)
-    cpus, why = available_cpus()
-    if workers <= cpus:
-        return
-    # Point at the user's DataLoader(...) call, past aioloader's own frames.
-    level, frame = 1, inspect.currentframe()
-    here = os.path.dirname(__file__)
-    while frame is not None and os.path.dirname(frame.f_code.co_filename) == here:
-        level, frame = level + 1, frame.f_back
-    warnings.warn(
-        f"This DataLoader will create {workers} worker processes in total, more than the {cpus} CPUs "
-        f"this process may use ({why}): the workers would take turns on them, which may make loading "
-        "slow or even freeze it. Lower num_workers, or pass num_workers='auto' for one per CPU",
-        UserWarning,
-        stacklevel=level,
-    )
-
-
-def _plan_ahead(planner: BatchPlanner, dataset: Any, epoch: int, carry: np.ndarray) -> EpochPlan:
-    # The next epoch built ahead of time; _begin discards it if the length changed meanwhile.
-    return planner.plan(epoch, carry, dataset_length(dataset))

@@ -79,7 +79,7 @@ class Stream(IterableDataset):  # type: ignore[type-arg]
             yield torch.tensor(i + offset())
 
 
-def train(DataLoader: Any) -> tuple[Counter[tuple[str, int]], int]:  # noqa: N803 - the class under test
+def train(DataLoader: Any) -> tuple[Counter[tuple[str, int]], int]:
     """The torch code: nothing in it knows which DataLoader it runs on."""
     torch.manual_seed(0)
     model = torch.nn.Linear(1, 1)

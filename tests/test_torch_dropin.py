@@ -83,6 +83,23 @@ def test_torch_positional_call(collect, face: str) -> None:
         assert ids_of(collect(loader)) == [[0, 1, 2], [3, 4, 5]]
 
 
+@pytest.mark.torch
+def test_an_iterable_dataset_takes_torchs_positional_call(collect) -> None:
+    import torch.utils.data
+
+    from ._torch_datasets import ShardedRange
+
+    # dataset, batch_size, shuffle=None, sampler, batch_sampler, num_workers, collate_fn,
+    # pin_memory, drop_last
+    args = (ShardedRange(9), 2, None, None, None, 2, None, False, True)
+    with aioloader.DataLoader(*args) as loader:
+        assert loader.drop_last
+        got = [b[1].tolist() for b in collect(loader)]
+    assert got == [b[1].tolist() for b in torch.utils.data.DataLoader(*args)]
+    with pytest.raises(ValueError, match="shuffle=True cannot be used with an iterable dataset"):
+        aioloader.DataLoader(ShardedRange(9), 2, True)
+
+
 def test_shuffle_none_and_drop_last_false_mean_what_they_mean_in_torch(collect) -> None:
     with aioloader.DataLoader(RangeDataset(5), batch_size=2, shuffle=None, drop_last=False) as loader:
         assert ids_of(collect(loader)) == [[0, 1], [2, 3], [4]]

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from .. import _worker
-from .._pool import Job, Lost, WorkerPool, describe_exit, torch_crash_words
+from .._pool import Job, Lost, WorkerPool, describe_exit
+from .._slots import torch_crash_words
 from .._stats import Recorder
 from ..errors import LoaderClosedError, LoaderTimeout, WorkerCrashedError
 

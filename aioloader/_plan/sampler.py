@@ -36,6 +36,7 @@ __all__ = [
     "RemainingPositions",
     "dataset_length",
     "epoch_permutation",
+    "plan_ahead",
     "shard_count",
     "shard_indices",
 ]
@@ -367,6 +368,12 @@ class BatchPlanner:
         n = shard_count(n, self.rank, self.world_size, self.shard_policy) + carry
         full, rem = divmod(n, self.batch_size)
         return full + (1 if rem and self.last_batch == "keep" else 0)
+
+
+def plan_ahead(planner: BatchPlanner, dataset: Any, epoch: int, carry: np.ndarray) -> EpochPlan:
+    """The next epoch built ahead of time (the loader discards it if ``len(dataset)``
+    changed meanwhile)."""
+    return planner.plan(epoch, carry, dataset_length(dataset))
 
 
 class DistributedSampler:
