@@ -193,6 +193,14 @@ def _collate(samples: Sequence[Any], path: str, stack: Stacker, as_torch: bool =
         return list(samples)
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(elem, torch.Tensor):
+        nested = [pos for pos, s in enumerate(samples) if getattr(s, "is_nested", False)]
+        if nested:  # torch's stack would fail with an internal error: say what it is
+            raise CollateError(
+                f"cannot collate nested tensors{_at(path)} (batch positions {nested}): Batches of nested "
+                "tensors are not currently supported by the default collate_fn; please provide a "
+                "custom collate_fn to handle them appropriately",
+                positions=nested,
+            )
         if any(not isinstance(s, torch.Tensor) or s.shape != elem.shape for s in samples):
             raise _mismatch(samples, "shapes", path, _type_and_shape)
         return stack.tensors(samples)

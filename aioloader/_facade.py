@@ -35,6 +35,7 @@ from . import _worker
 from ._cpus import available_cpus
 from ._engine.run import Run
 from ._engine.units import Delivery, RunConfig, closed_while_iterating
+from ._goes_on import GoesOn, GoesOnAsync
 from ._payload import pickle_for_workers
 from ._pool import WorkerPool
 from ._portal import END, Feed, Portal
@@ -43,7 +44,7 @@ from ._shm._dataseg import DataSegment
 from ._stats import LoaderStats, Recorder
 from ._trace import Tracer
 from ._transport import Transport, TransportKind, make_transport
-from ._validate import check_choice, check_int
+from ._validate import check_choice, check_int, check_num_workers
 from .errors import LoaderClosedError
 
 __all__ = ["IterableLoader", "Lifecycle", "LoaderBase", "Pass"]
@@ -124,7 +125,7 @@ class LoaderBase:
         if isinstance(num_workers, str) and num_workers == "auto":
             num_workers, why = available_cpus()
             settings.append(f"num_workers='auto' chose {num_workers}: {why}")
-        num_workers = check_int("num_workers", num_workers, 0)
+        num_workers = check_num_workers(num_workers)
         auto_prefetch = isinstance(prefetch, str) and prefetch == "auto"
         if prefetch is not None and not auto_prefetch:
             prefetch = check_int("prefetch", prefetch, 1)
@@ -363,7 +364,7 @@ class IterableLoader(LoaderBase):
         raise NotImplementedError
 
     def __aiter__(self) -> AsyncIterator[Any]:
-        return self._aiterate()
+        return GoesOnAsync(self._aiterate())
 
     async def _aiterate(self) -> AsyncIterator[Any]:
         p = await self._begin()
@@ -374,7 +375,7 @@ class IterableLoader(LoaderBase):
                 except StopAsyncIteration:
                     return
                 if batch is not None:
-                    yield batch
+                    yield batch  # a Failed too: the wrapper raises its error
         finally:
             await p.finish()
 
@@ -382,7 +383,7 @@ class IterableLoader(LoaderBase):
         portal = self._portal()
         if portal.in_portal():
             raise RuntimeError(f"cannot iterate a {self._kind} synchronously from its own event-loop thread")
-        return self._iterate(portal)
+        return GoesOn(self._iterate(portal))
 
     def _iterate(self, portal: Portal) -> Iterator[Any]:
         # A generator: the pass begins at the first next(), so an iterator created and

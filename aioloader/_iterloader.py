@@ -11,6 +11,7 @@ already delivered (an iterable dataset has no other position).
 
 from __future__ import annotations
 
+import inspect
 import math
 import threading
 from collections.abc import Callable, Sequence
@@ -20,7 +21,7 @@ from . import _worker
 from ._engine.epochs import WorkerSide
 from ._engine.run import Run
 from ._engine.shards import ShardPosition, ShardSource
-from ._engine.units import Delivery
+from ._engine.units import Delivery, RunConfig
 from ._facade import Pass
 from ._stats import Recorder
 from ._torch_compat import PinningPass
@@ -30,6 +31,8 @@ from .loader import DataLoader
 
 __all__ = ["IterableDataLoader"]
 
+_SIGNATURE = inspect.signature(DataLoader.__init__)
+
 _STATE_KIND = "iterable-dataset"
 _STATE_VERSION = 1
 
@@ -37,7 +40,7 @@ _STATE_VERSION = 1
 # what was given -> why it is refused.
 _REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "shuffle": (
-        lambda v: v is not False,
+        lambda v: v is not False and v is not None,  # None: torch's default
         "an iterable dataset sets its own order: shuffle inside its __iter__",
     ),
     "sampler": (lambda v: v is not None, "an iterable dataset has no indices to sample"),
@@ -105,7 +108,11 @@ class IterableDataLoader(DataLoader[Any]):
     ``num_workers=0`` iterates in one background thread.
     """
 
-    def __init__(self, dataset: Any, batch_size: int | None = 1, **kwargs: Any) -> None:
+    def __init__(self, dataset: Any, *args: Any, **kwargs: Any) -> None:
+        # torch's positional order is DataLoader's: bind it, then read every argument by name.
+        bound = _SIGNATURE.bind(self, dataset, *args, **kwargs).arguments
+        kwargs = {k: v for k, v in bound.items() if k not in ("self", "dataset")}
+        batch_size = kwargs.pop("batch_size", 1)
         for name, (given, why) in _REFUSED.items():
             if name in kwargs and given(kwargs[name]):
                 raise ValueError(f"{name}={kwargs[name]!r} cannot be used with an iterable dataset: {why}")
@@ -188,6 +195,10 @@ class IterableDataLoader(DataLoader[Any]):
                 run, position, self._lock, self._recorder, self._end_shard_pass
             )
             return p if self._pin is None else PinningPass(p, self._pin)
+
+    def _run_config(self) -> RunConfig:
+        # An exception ends the worker's Python iterator it came from: the epoch ends with it.
+        return self._config(ordered=self.ordered, group=None, fail_fast=True)
 
     def _end_shard_pass(self, p: _ShardPass) -> None:
         with self._lock:

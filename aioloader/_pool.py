@@ -368,12 +368,14 @@ class WorkerPool:
     def _conclude(self, gen: Generation) -> CrashInfo:
         dead, rows = gen.final_deaths()
         charged: dict[int, int | None] = {}
+        pids: dict[int, int] = {}
         for pid, code in dead.items():
             phase, task_id, _ = rows.get(pid, (Slots.STARTING, -1, 0))
             if phase >= Slots.ACCEPTED and task_id >= 0:
-                charged[task_id] = code
+                charged[task_id], pids[task_id] = code, pid
         ready = any(phase >= Slots.READY for phase, _, _ in rows.values())
-        info = CrashInfo(charged, startup=gen.processes is not None and not ready and bool(dead or gen.failure))
+        startup = gen.processes is not None and not ready and bool(dead or gen.failure)
+        info = CrashInfo(charged, startup=startup, pids=pids)
         self._start_failures = self._start_failures + 1 if info.startup else 0
         if self._start_failures >= MAX_START_FAILURES:
             self._start_failures = 0

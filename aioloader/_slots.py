@@ -20,12 +20,12 @@ Worker side: never imports asyncio.
 from __future__ import annotations
 
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-__all__ = ["CrashInfo", "Rows", "Slots", "claim", "describe_exit", "local_starts", "mark"]
+__all__ = ["CrashInfo", "Rows", "Slots", "claim", "describe_exit", "local_starts", "mark", "torch_crash_words"]
 
 Rows = dict[int, tuple[int, int, int]]  # pid -> (phase, task_id, start_ns)
 
@@ -42,6 +42,19 @@ def describe_exit(code: int | None) -> str:
     return str(code)
 
 
+def torch_crash_words(pid: int | None, code: int | None) -> str:
+    """What torch says of a dead worker, which users and tools match on:
+    ``DataLoader worker (pid 12) is killed by signal: Killed.``"""
+    who = f"DataLoader worker (pid {pid if pid is not None else 'unknown'})"
+    if code is not None and code < 0:
+        try:
+            name = signal.strsignal(-code) or f"signal {-code}"
+        except ValueError:
+            name = f"signal {-code}"
+        return f"{who} is killed by signal: {name}."
+    return f"{who} exited unexpectedly with exit code {describe_exit(code)}."
+
+
 @dataclass
 class CrashInfo:
     """How a generation ended, as far as its tasks are concerned (the pool's verdict)."""
@@ -49,6 +62,7 @@ class CrashInfo:
     charged: dict[int, int | None]  # task id -> exit code of the worker that died holding it
     startup: bool = False  # no worker of the generation ever became ready
     fatal: Exception | None = None  # raised to every task that asks
+    pids: dict[int, int] = field(default_factory=dict)  # task id -> pid of the worker that died holding it
 
 
 class Slots:

@@ -9,6 +9,8 @@ argument needs it, so a loader that uses none of them never imports torch.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import inspect
+import os
 import sys
 import warnings
 from collections.abc import Callable
@@ -16,8 +18,9 @@ from dataclasses import dataclass
 from multiprocessing.context import BaseContext
 from typing import Any
 
+from ._cpus import available_cpus
 from ._pool import concurrency_of
-from ._validate import check_bool, check_int, resolve_context
+from ._validate import check_bool, check_int, check_num_workers, resolve_context
 
 __all__ = [
     "PinningPass",
@@ -25,6 +28,7 @@ __all__ = [
     "pin_tensors",
     "resolve_torch_args",
     "seed_from_generator",
+    "warn_if_oversubscribed",
     "workers_of",
 ]
 
@@ -109,7 +113,7 @@ def resolve_torch_args(
 ) -> TorchArgs:
     """Fold torch's keywords into aioloader's; a ValueError names both parameters of a
     conflicting pair, and a bad value raises an error naming its parameter."""
-    if check_bool("persistent_workers", persistent_workers) and check_int("num_workers", num_workers, 0) == 0:
+    if check_bool("persistent_workers", persistent_workers) and check_num_workers(num_workers) == 0:
         # torch refuses it too; accepting it would hide a setting that does nothing here
         raise ValueError(
             "persistent_workers=True needs num_workers > 0 (as in torch); aioloader's workers "
@@ -121,7 +125,7 @@ def resolve_torch_args(
                 "pass prefetch or prefetch_factor, not both (prefetch = prefetch_factor * num_workers)"
             )
         prefetch_factor = check_int("prefetch_factor", prefetch_factor, 1)
-        workers = check_int("num_workers", num_workers, 0)
+        workers = check_num_workers(num_workers)
         if workers == 0:
             raise ValueError(
                 f"prefetch_factor={prefetch_factor} needs num_workers > 0 (as in torch); with "
@@ -147,6 +151,29 @@ def resolve_torch_args(
     if not isinstance(pin_memory_device, str):
         raise TypeError(f"pin_memory_device must be a str, got {pin_memory_device!r}")
     return TorchArgs(prefetch, ordered, mp_context, seed, _pinner(pin_memory, pin_memory_device))
+
+
+def warn_if_oversubscribed(num_workers: Any) -> None:
+    """torch's warning for more workers than the CPUs this process may use (its
+    affinity mask and cgroup quota): they would only take turns on them."""
+    if isinstance(num_workers, str) and num_workers == "auto":
+        return
+    workers = check_num_workers(num_workers)
+    cpus, why = available_cpus()
+    if workers <= cpus:
+        return
+    # Point at the user's DataLoader(...) call, past aioloader's own frames.
+    level, frame = 1, inspect.currentframe()
+    here = os.path.dirname(__file__)
+    while frame is not None and os.path.dirname(frame.f_code.co_filename) == here:
+        level, frame = level + 1, frame.f_back
+    warnings.warn(
+        f"This DataLoader will create {workers} worker processes in total, more than the {cpus} CPUs "
+        f"this process may use ({why}): the workers would take turns on them, which may make loading "
+        "slow or even freeze it. Lower num_workers, or pass num_workers='auto' for one per CPU",
+        UserWarning,
+        stacklevel=level,
+    )
 
 
 class PinningPass:

@@ -16,6 +16,7 @@ __all__ = [
     "check_choice",
     "check_int",
     "check_map_dataset",
+    "check_num_workers",
     "check_sampling",
     "check_seconds",
     "check_seed_samples",
@@ -29,6 +30,18 @@ def check_int(name: str, value: Any, minimum: int) -> int:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
     return int(value)
+
+
+def check_num_workers(value: Any) -> int:
+    """``num_workers`` as an int >= 0; the error carries torch's phrase too, which
+    users and tools match on."""
+    try:
+        return check_int("num_workers", value, 0)
+    except ValueError:
+        raise ValueError(
+            f"num_workers must be an int >= 0 or 'auto', got {value!r} (num_workers option should be "
+            "non-negative; num_workers=0 builds batches in one background thread)"
+        ) from None
 
 
 def check_bool(name: str, value: Any) -> bool:
@@ -74,6 +87,7 @@ def check_sampling(
     """The DataLoader's sampling options checked together; returns ``last_batch`` with
     ``drop_last`` (torch's spelling) folded in."""
     check_choice("last_batch", last_batch, ("keep", "discard", "rollover"))
+    last_batch_given = last_batch != "keep"  # before drop_last=True is folded into it
     if drop_last is not None:
         drop_last = check_bool("drop_last", drop_last)
         if drop_last and last_batch not in ("keep", "discard"):
@@ -87,8 +101,8 @@ def check_sampling(
                 ("batch_size", batch_size_given),
                 ("shuffle", shuffle),
                 ("sampler", sampler is not None),
-                ("last_batch", last_batch != "keep"),
-                ("drop_last", drop_last is not None),
+                ("last_batch", last_batch_given),
+                ("drop_last=True", drop_last is True),
             )
             if given
         ]
@@ -115,7 +129,13 @@ def check_shard(shard: Any) -> tuple[int, int]:
         or shard[1] < 1
         or not 0 <= shard[0] < shard[1]
     ):
-        raise ValueError(f"shard must be (rank, world_size) with 0 <= rank < world_size, got {shard!r}")
+        rank_range = ""
+        if isinstance(shard, (tuple, list)) and len(shard) == 2 and all(type(x) is int for x in shard):
+            if shard[1] >= 1:  # the rank is the culprit: torch's words for it too
+                rank_range = f"; Invalid rank {shard[0]}, rank should be in the interval [0, {shard[1] - 1}]"
+        raise ValueError(
+            f"shard must be (rank, world_size) with 0 <= rank < world_size, got {shard!r}{rank_range}"
+        )
     return (int(shard[0]), int(shard[1]))
 
 

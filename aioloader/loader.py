@@ -20,8 +20,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterat
 from multiprocessing.context import BaseContext
 from typing import Any, Generic, Literal
 
-import numpy as np
-
 from . import _worker
 from ._collate import collate_torch, convert_torch, default_collate, default_convert, is_torch_dataset
 from ._engine.epochs import Cursor, EpochPass, EpochSource, Parked, WorkerSide
@@ -31,9 +29,9 @@ from ._engine.resume import Resumable
 from ._engine.run import Run
 from ._engine.units import RunConfig
 from ._facade import IterableLoader, Lifecycle, Pass
-from ._plan.sampler import BatchPlanner, EpochPlan, LastBatch, ShardPolicy, dataset_length
+from ._plan.sampler import BatchPlanner, LastBatch, ShardPolicy, dataset_length, plan_ahead
 from ._pool import WorkerPool
-from ._torch_compat import PinningPass, resolve_torch_args, workers_of
+from ._torch_compat import PinningPass, resolve_torch_args, warn_if_oversubscribed, workers_of
 from ._transport import TransportKind
 from ._types import Batch, BatchSampler, CollateFn, MapDataset, Sampler
 from ._validate import (
@@ -71,13 +69,14 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
             sample is a batch of its own, given alone (not in a list) to ``collate_fn``,
             whose default is then :func:`~aioloader.default_convert`. Excludes
             ``batch_sampler``, ``drop_last=True`` and ``last_batch`` other than ``"keep"``.
-        shuffle: reshuffle every epoch; the order of epoch ``e`` is a pure function of
+        shuffle: reshuffle every epoch (``None``, torch's default, means ``False``); the order of epoch ``e`` is a pure function of
             ``(seed, e, len(dataset))``. ``len(dataset)`` is read again as each epoch
             begins, so a dataset that grew between epochs is seen whole by the next one.
         sampler: a re-iterable of indices (its ``set_epoch(e)`` is called before each
-            epoch). Excludes ``shuffle``.
+            epoch). Excludes ``shuffle=True``. With ``batch_size=None`` it may yield any
+            key (a list of indices, say), passed to ``dataset[key]`` as torch passes it.
         batch_sampler: a re-iterable of index sequences. Excludes ``batch_size``,
-            ``shuffle``, ``sampler``, ``last_batch`` and ``drop_last``.
+            ``shuffle=True``, ``sampler``, ``last_batch`` and ``drop_last=True``.
         last_batch: ``"keep"`` the incomplete last batch, ``"discard"`` it, or
             ``"rollover"``: carry its samples to the front of the next epoch.
         drop_last: torch's spelling: ``True`` means ``last_batch="discard"``.
@@ -86,14 +85,16 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
         num_workers: worker processes; ``0`` builds batches in one background thread;
             ``"auto"``: as many as the CPUs this process may use (its affinity mask and
             cgroup CPU quota, not ``os.cpu_count()``); ``stats().settings`` says what was
-            chosen and why.
+            chosen and why. More than those CPUs warns (``UserWarning``), as torch does.
         prefetch: most batches submitted, running or waiting for the consumer at once
             (default ``2 * num_workers``, at least 2). ``"auto"`` starts there and grows, up
             to 8x, while batches are cheap (see ``batches_per_task``); ``stats().window``.
         timeout: seconds a batch may take from the moment a worker starts it; on expiry
             :class:`~aioloader.LoaderTimeout` is raised and the worker is killed. ``None``
             or ``0`` (torch's default): none.
-        worker_init_fn: called once in each worker with the worker's id.
+        worker_init_fn: called once in each worker with the worker's id. A seed it sets
+            for ``random``, numpy or torch is replaced by the per-batch seeding; pass
+            ``seed_samples=False`` to keep it.
         mp_context: start method name or context (default ``forkserver``, else ``spawn``).
         seed: seeds the shuffle and the samples' randomness; ``None`` draws one (``loader.seed``).
         ordered: deliver batches in sampler order (``True``, the default) or as they complete.
@@ -143,6 +144,10 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
             batches (under about 2 ms of worker time) up to ``prefetch // num_workers`` a task,
             to spare the consumer's process a task's cost per batch. See :doc:`performance`.
 
+    The positional parameters are torch's, in torch's order; aioloader's are keyword-only.
+    A batch that raises reaches the consumer as its exception, and the iterator goes on
+    (as torch's): ``next()`` again gives the next batch; a ``for`` loop ends there.
+
     Each of torch's spellings that says the same as one of aioloader's (``prefetch`` and
     ``prefetch_factor``, ``ordered`` and ``in_order``, ``mp_context`` and
     ``multiprocessing_context``, ``seed`` and ``generator``) raises ``ValueError`` naming
@@ -163,17 +168,24 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
         self,
         dataset: MapDataset[Any],
         batch_size: int | None = 1,
-        *,
-        shuffle: bool = False,
-        sampler: Sampler | Iterable[int] | None = None,
+        shuffle: bool | None = None,
+        sampler: Sampler | Iterable[Any] | None = None,
         batch_sampler: BatchSampler | None = None,
-        last_batch: LastBatch = "keep",
-        drop_last: bool | None = None,
-        collate_fn: CollateFn | Callable[[list[Any]], Any] | None = None,
         num_workers: int | Literal["auto"] = 0,
-        prefetch: int | Literal["auto"] | None = None,
-        timeout: float | None = None,
+        collate_fn: CollateFn | Callable[[list[Any]], Any] | None = None,
+        pin_memory: bool = False,
+        drop_last: bool = False,
+        timeout: float | None = 0,
         worker_init_fn: Callable[[int], Any] | None = None,
+        multiprocessing_context: str | BaseContext | None = None,
+        generator: Any = None,
+        *,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        pin_memory_device: str = "",
+        in_order: bool | None = None,
+        last_batch: LastBatch = "keep",
+        prefetch: int | Literal["auto"] | None = None,
         mp_context: str | BaseContext | None = None,
         seed: int | None = None,
         ordered: bool | None = None,
@@ -188,13 +200,6 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
         prefetch_next_epoch: bool = True,
         seed_samples: bool | Literal["batch", "sample"] = "batch",
         trace: str | os.PathLike[str] | None = None,
-        prefetch_factor: int | None = None,
-        persistent_workers: bool = False,
-        pin_memory: bool = False,
-        pin_memory_device: str = "",
-        generator: Any = None,
-        multiprocessing_context: str | BaseContext | None = None,
-        in_order: bool | None = None,
         fetch: Callable[[Any], Awaitable[Any]] | None = None,
         transform: Callable[[Any], Any] | None = None,
         io_concurrency: int = 64,
@@ -209,7 +214,7 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
             check_unbatched(batch_sampler, drop_last, last_batch)
         batch_size_given = batch_size != 1 and not unbatched
         batch_size = 1 if batch_size is None else check_int("batch_size", batch_size, 1)
-        shuffle = check_bool("shuffle", shuffle)
+        shuffle = False if shuffle is None else check_bool("shuffle", shuffle)  # None: torch's default
         torch_args = resolve_torch_args(
             num_workers=workers_of(num_workers, pool, executor), prefetch=prefetch, prefetch_factor=prefetch_factor,
             ordered=ordered, in_order=in_order, seed=seed, generator=generator,
@@ -260,6 +265,8 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
         self.prefetch_next_epoch = prefetch_next_epoch
         self.seed_samples = seed_mode
         self.seed: int = seed if seed is not None else secrets.randbits(63)
+        if pool is None and executor is None:
+            warn_if_oversubscribed(num_workers)
         self._setup(
             num_workers=num_workers, mp_context=torch_args.mp_context, pool=pool, executor=executor,
             prefetch=torch_args.prefetch, transport=transport, trace=trace,
@@ -270,6 +277,7 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
         self._planner = BatchPlanner(
             length, batch_size=batch_size, shuffle=shuffle, sampler=sampler, batch_sampler=batch_sampler,
             last_batch=last_batch, seed=self.seed, shard=self.shard, shard_policy=shard_policy,
+            keyed=unbatched and fetch is None,
         )  # fmt: skip
         self._next = Cursor(0)  # where the next fresh iteration starts
         self._active: EpochPass | None = None  # the newest iteration, for state_dict()
@@ -392,7 +400,7 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
                 plan = self._planner.plan(cur.epoch, cur.carry, length)
                 speculate = self.prefetch_next_epoch and self._planner.custom is None
                 side = WorkerSide(self._token, self.seed, self._shared.get_payload, keys=self._keys)
-                ahead = functools.partial(_plan_ahead, self._planner, self._keys)  # holds no loader
+                ahead = functools.partial(plan_ahead, self._planner, self._keys)  # holds no loader
                 source = EpochSource(side, plan, cur, ahead if speculate else None)
                 run = Run(self._run_config(), source)
                 self._runs.add(run)
@@ -413,7 +421,8 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
             return p if self._pin is None else PinningPass(p, self._pin)
 
     def _run_config(self) -> RunConfig:
-        return self._config(ordered=self.ordered, fetch=self._fetch, group=self._group)
+        # fail_fast=False: a failed batch is delivered as its error and the run goes on (torch's way).
+        return self._config(ordered=self.ordered, fetch=self._fetch, group=self._group, fail_fast=False)
 
     def _end_pass(self, p: EpochPass) -> bool:
         """Called when pass ``p`` ends: park its run if it went on into the epoch the
@@ -439,7 +448,3 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
             f"prefetch={self.prefetch} {self._state.value}>"
         )
 
-
-def _plan_ahead(planner: BatchPlanner, dataset: Any, epoch: int, carry: np.ndarray) -> EpochPlan:
-    # The next epoch built ahead of time; _begin discards it if the length changed meanwhile.
-    return planner.plan(epoch, carry, dataset_length(dataset))

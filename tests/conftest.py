@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import importlib.util
 import os
@@ -75,6 +76,16 @@ def ctrl_c(script: Path, ready: Callable[[], bool], what: str) -> tuple[subproce
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()  # reaps it and closes its pipes
     return proc, err.decode()
+
+
+def oversubscribed(num_workers: int) -> contextlib.AbstractContextManager[Any]:
+    """What a DataLoader with ``num_workers`` owes this machine: torch's UserWarning
+    when that is more than the CPUs this process may use, else nothing."""
+    from aioloader._cpus import available_cpus
+
+    if num_workers > available_cpus()[0]:
+        return pytest.warns(UserWarning, match=f"will create {num_workers} worker processes in total")
+    return contextlib.nullcontext()
 
 
 def _cmdline(pid: int) -> str:

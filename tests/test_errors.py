@@ -322,12 +322,15 @@ def test_garbage_collected_half_consumed_iterators() -> None:
 
 KEYBOARD_SCRIPT = textwrap.dedent(
     """
-    import sys, pathlib
+    import pathlib, signal, sys
     sys.path.insert(0, {root!r})
     import aioloader
     from tests._datasets import SlowDataset
 
     if __name__ == "__main__":
+        # Python's own Ctrl-C handler, set here: under nohup or a CI runner this process
+        # may inherit SIGINT as ignored, and the test must not depend on that.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         ready = pathlib.Path({ready!r})
         loader = aioloader.DataLoader(SlowDataset(100000, 0.002), 8, num_workers=2)
         for i, batch in enumerate(loader):

@@ -361,12 +361,14 @@ def test_break_and_close_with_many_fetches_in_flight(server: Server, files: File
 
 
 CTRL_C_SCRIPT = """
-import asyncio, pathlib, sys
+import asyncio, pathlib, signal, sys
 sys.path.insert(0, {root!r})
 import aioloader
 from tests._fetch_helpers import HttpFetch
 
 if __name__ == "__main__":
+    # Python's own Ctrl-C handler: the inherited disposition may be "ignored" (nohup, CI).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     items = {items!r}
     ready = pathlib.Path({ready!r})
     loader = aioloader.DataLoader(items, batch_size=4, prefetch=40, fetch=HttpFetch({base!r}), io_concurrency=100)

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 from .. import _worker
 from .._pool import Job, Lost, WorkerPool, describe_exit
+from .._slots import torch_crash_words
 from .._stats import Recorder
 from ..errors import LoaderClosedError, LoaderTimeout, WorkerCrashedError
 
@@ -154,7 +155,8 @@ class Dispatcher:
                         code, indices = info.charged[task_id], named.indices
                         raise WorkerCrashedError(
                             f"{_name(named)} was lost to a dying worker "
-                            f"{attempts} times (exit code {describe_exit(code)}); max_retries={self.max_retries}",
+                            f"{attempts} times (exit code {describe_exit(code)}); max_retries={self.max_retries}. "
+                            + torch_crash_words(info.pids.get(task_id), code),
                             indices=_as_list(indices),
                             exitcode=code,
                             attempts=attempts,

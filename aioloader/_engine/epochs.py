@@ -23,7 +23,7 @@ from .._plan.sampler import EpochPlan
 from .._stats import Recorder
 from ..errors import TooManySkippedError, add_note
 from .run import Run
-from .units import Delivery, add_context
+from .units import Delivery, Failed, add_context
 
 __all__ = ["Cursor", "EpochPass", "EpochSource", "EpochUnit", "Parked", "WorkerSide"]
 
@@ -93,7 +93,9 @@ class EpochUnit:
         self.indices = indices
         self.size = len(indices)
         # Raw int64 bytes pickle ~5x faster than a numpy array (this runs for every batch).
-        self._packed = np.asarray(indices, dtype=np.int64).tobytes()
+        # A sampler's own keys (batch_size=None) go as they are, in a list.
+        keyed = getattr(indices, "dtype", None) == np.dtype(object)
+        self._packed: Any = indices.tolist() if keyed else np.asarray(indices, dtype=np.int64).tobytes()
         self.values: list[Any] | None = None  # fetched samples (fetch=), kept for resubmissions
 
     @property
@@ -270,6 +272,11 @@ class EpochPass:
                 self._prefix = pos
             else:
                 self._after.add(pos)
+        if d.error is not None:
+            # The batch is passed as torch passes a failed one: the consumer gets its
+            # error now and, if it asks again, the batch after it (state_dict() too).
+            add_context(d.error, f"aioloader: raised while loading epoch {self.epoch}")
+            return Failed(d.error)
         if d.skipped:
             self._count_skipped(d.skipped)
         return d.data

@@ -42,6 +42,7 @@ from typing import Any
 
 from .._stats import _Epoch
 from .._wake import waker_for
+from ..errors import LoaderClosedError
 from .dispatch import Dispatcher, Raised, cancelling
 from .fetch import FetchStage, nbytes
 from .group import GroupStage
@@ -210,8 +211,10 @@ class Run:
         Raises ``StopAsyncIteration`` at the end of the source (or when the run was
         closed under the consumer), :class:`~aioloader.LoaderClosedError` when the whole
         loader was, and what the source raised. What a unit raised is raised too (and
-        the run closed), unless the run was configured not to fail fast: then the error
-        comes back in :attr:`Delivery.error` (its slot already freed) and the run goes on.
+        the run closed), unless the run was configured not to fail fast: then an
+        ``Exception`` comes back in :attr:`Delivery.error` (its slot held, as a batch's)
+        and the run goes on; ``SystemExit``, ``KeyboardInterrupt`` and a closed loader
+        still end it.
         """
         while True:
             if self.closed:
@@ -244,15 +247,15 @@ class Run:
             except asyncio.CancelledError:
                 raise await self._cancelled() from None
             except Exception as exc:
+                if not self.cfg.fail_fast and not isinstance(exc, LoaderClosedError):
+                    # Delivered like a batch: its slot is held until the consumer takes it,
+                    # so errors taken ahead count against the window too.
+                    return Delivery(unit, None, (), exc, entry, time.monotonic_ns() - t0)
                 self._release(entry)
-                if not self.cfg.fail_fast:
-                    return Delivery(unit, None, (), exc)
                 await self._end_in_take()
                 raise
-            if type(res) is Raised:
+            if type(res) is Raised:  # SystemExit, KeyboardInterrupt: the run ends
                 self._release(entry)
-                if not self.cfg.fail_fast:
-                    return Delivery(unit, None, (), res.exc)
                 await self._end_in_take()
                 raise res.exc
             data = res.data

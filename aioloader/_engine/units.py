@@ -14,7 +14,7 @@ from ..errors import LoaderClosedError, add_note
 from .fetch import FetchConfig
 from .group import GroupPolicy
 
-__all__ = ["Delivery", "RunConfig", "Unit", "UnitSource", "add_context", "closed_while_iterating"]
+__all__ = ["Delivery", "Failed", "RunConfig", "Unit", "UnitSource", "add_context", "closed_while_iterating"]
 
 
 def closed_while_iterating(kind: str) -> LoaderClosedError:
@@ -75,9 +75,20 @@ class Delivery(NamedTuple):
     unit: Unit
     data: Any  # None when every sample of the unit was skipped (or it failed)
     skipped: tuple[tuple[int, str], ...]
-    error: BaseException | None = None  # what the unit raised (only without fail_fast)
+    error: BaseException | None = None  # what the unit raised (only without fail_fast; slot still held)
     slot: Any = None  # the ready-queue entry whose window slot Run.release frees (None: freed)
     waited_ns: int = 0  # how long take() waited for it
+
+
+class Failed:
+    """What a pass's ``accept`` returns for a unit that raised, when its run goes on:
+    the face raises ``error`` to the consumer, whose next ``next()`` gets the next
+    batch (as torch's iterator does)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
 
 
 def add_context(exc: BaseException, note: str) -> None:

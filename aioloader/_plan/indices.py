@@ -17,7 +17,7 @@ from numpy.typing import NDArray
 
 from .permute import MAX_LENGTH
 
-__all__ = ["batch_sampler_batches", "check_length", "dataset_length", "sampler_order"]
+__all__ = ["batch_sampler_batches", "check_length", "dataset_length", "sampler_keys", "sampler_order"]
 
 _repr = reprlib.Repr()
 _repr.maxstring = 40
@@ -109,6 +109,21 @@ def sampler_order(sampler: Iterable[Any], length: int) -> NDArray[np.int64]:
     order = _indices(sampler, where)
     _check_range(order, length, where)
     return order
+
+
+def sampler_keys(sampler: Iterable[Any], length: int) -> NDArray[Any]:
+    """One pass over the sampler of a loader without automatic batching
+    (``batch_size=None``): as torch does then, any key it yields is passed to
+    ``dataset[key]`` (a list of indices for a dataset that loads a whole batch at once).
+    Ints only are checked as :func:`sampler_order` checks them (an int64 array); a
+    sampler that yields anything else gives an object array of its keys, unchecked."""
+    keys = list(sampler)
+    if all(type(k) is int or (not _bad_index(k) and isinstance(k, np.integer)) for k in keys):
+        return sampler_order(keys, length)
+    out = np.empty(len(keys), dtype=object)
+    for pos, key in enumerate(keys):  # one by one: numpy would turn equal-length lists into rows
+        out[pos] = key
+    return out
 
 
 def batch_sampler_batches(batch_sampler: Iterable[Any], length: int) -> list[NDArray[np.int64]]:

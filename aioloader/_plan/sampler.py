@@ -25,7 +25,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from .._validate import check_int
-from .indices import batch_sampler_batches, check_length, dataset_length, sampler_order
+from .indices import batch_sampler_batches, check_length, dataset_length, sampler_keys, sampler_order
 from .permute import IndexShuffle
 
 __all__ = [
@@ -36,6 +36,7 @@ __all__ = [
     "RemainingPositions",
     "dataset_length",
     "epoch_permutation",
+    "plan_ahead",
     "shard_count",
     "shard_indices",
 ]
@@ -102,10 +103,10 @@ class _Order(Protocol):
 class _ArrayOrder:
     """An order that exists as an array (from a user's sampler)."""
 
-    def __init__(self, order: NDArray[np.int64]) -> None:
+    def __init__(self, order: NDArray[Any]) -> None:
         self.order = order
         self.count = len(order)
-        self.dtype: IndexType = np.int64
+        self.dtype: IndexType = np.int64 if order.dtype != object else order.dtype.type
 
     def take(self, lo: int, hi: int) -> Indices:
         return self.order[lo:hi]
@@ -289,8 +290,10 @@ class BatchPlanner:
         seed: int,
         shard: tuple[int, int],
         shard_policy: ShardPolicy,
+        keyed: bool = False,
     ) -> None:
         self.length = check_length(length, "len(dataset)")
+        self.keyed = keyed  # batch_size=None: a sampler may yield any key, as in torch
         self.batch_size = check_int("batch_size", batch_size, 1)
         self.shuffle = shuffle
         self.sampler = sampler
@@ -308,7 +311,7 @@ class BatchPlanner:
     def _order(self, epoch: int, n: int) -> _Order:
         if self.sampler is not None:
             _set_epoch(self.sampler, epoch)
-            order = sampler_order(self.sampler, n)
+            order = sampler_keys(self.sampler, n) if self.keyed else sampler_order(self.sampler, n)
             return _ArrayOrder(shard_indices(order, self.rank, self.world_size, self.shard_policy))
         shuffle = IndexShuffle(n, self.seed, epoch) if self.shuffle else None
         return _ComputedOrder(n, self.rank, self.world_size, self.shard_policy, shuffle)
@@ -367,6 +370,12 @@ class BatchPlanner:
         return full + (1 if rem and self.last_batch == "keep" else 0)
 
 
+def plan_ahead(planner: BatchPlanner, dataset: Any, epoch: int, carry: np.ndarray) -> EpochPlan:
+    """The next epoch built ahead of time (the loader discards it if ``len(dataset)``
+    changed meanwhile)."""
+    return planner.plan(epoch, carry, dataset_length(dataset))
+
+
 class DistributedSampler:
     """A plain sampler giving one rank its part of every epoch, for use with any loader.
 
@@ -391,7 +400,10 @@ class DistributedSampler:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size!r}")
         if not 0 <= rank < world_size:
-            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank!r}")
+            raise ValueError(
+                f"rank must be in [0, world_size={world_size}), got {rank!r}; "
+                f"Invalid rank {rank}, rank should be in the interval [0, {world_size - 1}]"
+            )
         self.length = check_length(length, "length")
         self.rank = rank
         self.world_size = world_size
