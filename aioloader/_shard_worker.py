@@ -36,7 +36,7 @@ import struct
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
-from . import _seeding, _worker, _worker_info
+from . import _reply, _seeding, _worker, _worker_info
 from .errors import CollateError, add_note
 
 __all__ = ["CREDIT", "FRAME_LENGTH", "ShardResult", "ShardTask", "run_shard"]
@@ -101,7 +101,7 @@ def _hang_up(sock: socket.socket) -> None:
 
 
 def _where(task: ShardTask, j: int) -> str:
-    return f"batch {j} of worker {task.shard} in epoch {task.epoch}, worker pid {os.getpid()}"
+    return f"batch {j} of worker {task.shard} in epoch {task.epoch}, {_reply.process_label()}"
 
 
 def _batches(ctx: _worker.WorkerContext, task: ShardTask) -> Iterator[list[Any]]:
@@ -135,7 +135,7 @@ def _build(sock: socket.socket, ctx: _worker.WorkerContext, task: ShardTask) -> 
                 ctx.worker_init_fn(task.shard)
             except BaseException as exc:
                 add_note(
-                    exc, f"aioloader: raised by worker_init_fn({task.shard}) in worker pid {os.getpid()}"
+                    exc, f"aioloader: raised by worker_init_fn({task.shard}) in {_reply.process_label()}"
                 )
                 raise
     n = 0

@@ -18,12 +18,11 @@ This module never imports asyncio.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from . import _worker
+from . import _reply, _worker
 from .errors import CollateError, add_note
 
 __all__ = ["Chain", "StreamContext", "StreamResult", "StreamTask", "run_stream_batch"]
@@ -69,7 +68,7 @@ def run_stream_batch(task: StreamTask) -> StreamResult | str:
 
 
 def _where(task: StreamTask) -> str:
-    return f"micro-batch {task.batch} of the stream, worker pid {os.getpid()}"
+    return f"micro-batch {task.batch} of the stream, {_reply.process_label()}"
 
 
 def _build(ctx: StreamContext, task: StreamTask) -> tuple[Any, int, tuple[tuple[int, str], ...]]:

@@ -74,6 +74,7 @@ def check_sampling(
     """The DataLoader's sampling options checked together; returns ``last_batch`` with
     ``drop_last`` (torch's spelling) folded in."""
     check_choice("last_batch", last_batch, ("keep", "discard", "rollover"))
+    last_batch_given = last_batch != "keep"  # before drop_last=True folds into it
     if drop_last is not None:
         drop_last = check_bool("drop_last", drop_last)
         if drop_last and last_batch not in ("keep", "discard"):
@@ -87,13 +88,17 @@ def check_sampling(
                 ("batch_size", batch_size_given),
                 ("shuffle", shuffle),
                 ("sampler", sampler is not None),
-                ("last_batch", last_batch != "keep"),
+                ("last_batch", last_batch_given),
                 ("drop_last", drop_last is not None),
             )
             if given
         ]
         if conflicts:
-            raise ValueError(f"batch_sampler is mutually exclusive with {', '.join(conflicts)}")
+            them = "it" if len(conflicts) == 1 else "them"
+            why = f"the batch sampler makes every batch itself, so leave {them} out"
+            if drop_last is False:  # torch's default, often written out: say that it counts
+                why += " (drop_last=False too: whether the last batch is kept is the batch sampler's choice)"
+            raise ValueError(f"batch_sampler is mutually exclusive with {', '.join(conflicts)}: {why}")
         if not isinstance(batch_sampler, Iterable):
             raise TypeError(f"batch_sampler must be a re-iterable of index sequences, got {batch_sampler!r}")
     if sampler is not None:

@@ -188,7 +188,7 @@ def _run_init(ctx: WorkerContext) -> None:
     try:
         ctx.worker_init_fn(wid)
     except Exception as exc:  # surfaced with the first batch this worker builds
-        add_note(exc, f"aioloader: raised by worker_init_fn({wid}) in worker pid {os.getpid()}")
+        add_note(exc, f"aioloader: raised by worker_init_fn({wid}) in {_reply.process_label()}")
         ctx.init_error = exc
 
 
@@ -363,7 +363,7 @@ def run_group(task: GroupTask) -> GroupResult | str:
 
 
 def _where(task: BatchTask) -> str:
-    return f"batch {task.position} of epoch {task.epoch}, worker pid {os.getpid()}"
+    return f"batch {task.position} of epoch {task.epoch}, {_reply.process_label()}"
 
 
 def _build(ctx: WorkerContext, task: BatchTask) -> tuple[Any, tuple[tuple[int, str], ...]]:

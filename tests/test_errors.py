@@ -48,6 +48,9 @@ def test_dataset_exception_keeps_type_message_and_names_the_sample(collect, num_
             collect(loader)
         text = notes(info.value)
         assert "sample index 9" in text and "batch 2 of epoch 0" in text
+        # num_workers=0 runs the batch in this very process: no "worker" to name
+        here = f"the main process (pid {os.getpid()})"
+        assert (here in text) != bool(num_workers) and ("worker pid" in text) == bool(num_workers), text
         if num_workers:
             assert "Traceback" in str(info.value.__cause__)  # the worker's traceback
             pids = loader.worker_pids()

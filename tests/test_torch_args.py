@@ -24,6 +24,17 @@ def flat(batches: list[list[int]]) -> list[int]:
     return [i for b in batches for i in b]
 
 
+# ------------------------------------------------------------------ batch_sampler
+def test_batch_sampler_says_to_leave_drop_last_out() -> None:
+    # torch code often spells out drop_last=False; the message must say what to do
+    with pytest.raises(ValueError, match="batch_sampler is mutually exclusive with drop_last") as info:
+        aioloader.DataLoader(RangeDataset(4), batch_sampler=[[0, 1], [2, 3]], drop_last=False)
+    assert "leave it out" in str(info.value) and "drop_last=False too" in str(info.value)
+    with pytest.raises(ValueError, match=r"with batch_size, drop_last: .* leave them out") as info:
+        aioloader.DataLoader(RangeDataset(4), 2, batch_sampler=[[0, 1]], drop_last=True)
+    assert "drop_last=False" not in str(info.value)
+
+
 # ------------------------------------------------------------------ prefetch_factor
 @pytest.mark.parametrize("num_workers,factor", [(1, 3), (2, 2)], ids=["1x3", "2x2"])
 def test_prefetch_factor_is_per_worker(collect, num_workers: int, factor: int) -> None:
