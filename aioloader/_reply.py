@@ -68,7 +68,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _orphan, _spill
+from . import _culprit, _orphan, _spill
 from ._shm import PREFIX, SHM_DIR, host_key
 from .errors import RemoteError, SharedMemoryError, add_note
 
@@ -165,7 +165,11 @@ class Entry:
         try:
             return _pack(ok, value, dirs, consumer)
         except BaseException as exc:
-            _note(exc, f"aioloader: raised while pickling a task's result in worker pid {os.getpid()}")
+            # The failure path only: name the batch, the sample and the field that will not pickle.
+            kept = _culprit.salvage(value if ok else None, task, exc, process_label())
+            if kept is not None:  # a group, whose other batches still travel
+                with contextlib.suppress(Exception):
+                    return _pack(True, kept, dirs, consumer)
             return _pack(False, exc, dirs, consumer)
 
 

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from . import _reply, _worker
+from . import _reply, _unpicklable, _worker
 from .errors import CollateError, add_note
 
 __all__ = ["Chain", "StreamContext", "StreamResult", "StreamTask", "run_stream_batch"]
@@ -55,6 +55,9 @@ class StreamResult(NamedTuple):
     pid: int
     start_ns: int
     end_ns: int
+
+    def unpicklable(self, task: StreamTask, exc: BaseException, where: str) -> None:
+        _unpicklable.stream(self, task, exc, where)  # see aioloader._culprit.salvage
 
 
 def run_stream_batch(task: StreamTask) -> StreamResult | str:
