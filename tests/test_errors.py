@@ -485,6 +485,35 @@ def test_unpicklable_dataset_fails_before_any_worker_starts(collect) -> None:
         assert not (descendant_workers() - before)
 
 
+@pytest.mark.parametrize("mode", ["r", "rb"], ids=["text", "binary"])
+def test_an_open_file_in_a_dataset_or_fn_is_refused_and_named(collect, mode: str, tmp_path: Path) -> None:
+    # A text file used to travel as a StringIO copy of its contents (read apart from the file).
+    from ._unpicklable_datasets import FileReader, HoldsAFile
+
+    path = tmp_path / "labels.txt"
+    path.write_text("cat\ndog\n")
+    kind = "_io.TextIOWrapper" if mode == "r" else "_io.BufferedReader"
+    before = descendant_workers()
+    dataset = HoldsAFile(str(path), mode)
+    try:
+        with aioloader.DataLoader(dataset, 2, num_workers=2) as loader:
+            with pytest.raises(aioloader.DatasetPickleError) as info:
+                collect(loader)
+        assert not (descendant_workers() - before)
+    finally:
+        dataset.close()
+    text = str(info.value)
+    assert f"dataset.files['labels'] holds a {kind} (an open file): TypeError: cannot pickle '{kind}'" in text
+    assert "Drop unpicklable members (open files" in text
+    fn = FileReader(str(path), mode)
+    try:
+        with pytest.raises(aioloader.DatasetPickleError) as info:  # a stream's fn: at construction
+            aioloader.StreamLoader(range(3), fn, num_workers=1)
+    finally:
+        fn.handle.close()
+    assert f"fn.handle holds a {kind} (an open file)" in str(info.value)
+
+
 def test_every_error_class_pickles() -> None:
     for name in errors.__all__:
         cls = getattr(errors, name)
