@@ -115,8 +115,8 @@ def batch_note(
         box = step.container
         if isinstance(box, (list, tuple)) and not hasattr(box, "_fields") and len(box) == len(ids) > 1:
             position = int(step.text[1:-1])
-            field = "".join(s.text for s in steps[:k] + steps[k + 1 :]) or " itself"
-            field = f", field {unit}{field}" if field != " itself" else ""
+            rest = "".join(s.text for s in steps[:k] + steps[k + 1 :])
+            field = f", field {unit}{rest}" if rest else ""
             sample = f"; it comes from {unit} {position} of the batch ({_named(id_name, ids[position])}){field}"
             break
     else:
