@@ -145,6 +145,10 @@ def dumps_by_value(
 
     class _Recording(cloudpickle.Pickler):  # type: ignore[misc]
         def reducer_override(self, o: Any) -> Any:
+            if isinstance(o, io.TextIOWrapper) and o is not sys.stdout and o is not sys.stderr:
+                # cloudpickle would send a copy of a text file's contents as a StringIO, which
+                # the dataset then reads and writes apart from the file: refused like binary files.
+                raise TypeError(f"cannot pickle '{type(o).__module__}.{type(o).__qualname__}' object")
             if isinstance(o, (type, types.FunctionType)) and getattr(o, "__module__", None) == "__main__":
                 name = getattr(o, "__qualname__", "")
                 if "." not in name and getattr(main, name, None) is o:

@@ -31,7 +31,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from multiprocessing.context import BaseContext
 from typing import Any, ClassVar, Protocol, TypeVar
 
-from . import _worker
+from . import _mainguard, _worker
 from ._cpus import available_cpus
 from ._engine.run import Run
 from ._engine.units import Delivery, RunConfig, closed_while_iterating
@@ -199,6 +199,8 @@ class LoaderBase:
                 self._install_inline(ctx)
             else:
                 own = self._pool.kind == "process"
+                if own:  # before the payload's shared memory is made
+                    _mainguard.refuse_while_main_imports()
                 t0 = time.monotonic_ns()
                 payload, segment = pickle_for_workers(
                     ctx,

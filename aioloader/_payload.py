@@ -11,11 +11,12 @@ An object that can take none of them is named in a :class:`DatasetPickleError`.
 
 from __future__ import annotations
 
+import io
 import pickle
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import _byvalue
+from . import _byvalue, _culprit
 from ._shm import _dataseg
 from ._shm._dataseg import DataSegment
 from .errors import DatasetPickleError
@@ -118,8 +119,20 @@ def _by_value(
             except Exception as inner:
                 raise DatasetPickleError(
                     f"the {owner}'s {name} ({type(obj).__name__}: {obj!r:.80}) cannot be pickled, so it "
-                    f"cannot reach the worker processes: {type(inner).__name__}: {inner}. "
+                    f"cannot reach the worker processes: {_holder(name, obj)}{type(inner).__name__}: {inner}. "
                     "Drop unpicklable members (open files, locks, sockets) or reopen them lazily in "
                     "the worker, or use num_workers=0."
                 ) from inner
         raise DatasetPickleError(f"the {owner}'s worker context cannot be pickled: {exc}") from exc
+
+
+def _holder(name: str, obj: object) -> str:
+    """``dataset.files['labels'] holds a _io.TextIOWrapper: `` (the member that will not
+    pickle, found on this failure path only), or nothing when ``obj`` itself is it."""
+    found = _culprit.find(obj, _byvalue.dumps_by_value)
+    if not found or not found[0]:
+        return ""
+    steps, culprit = found
+    kind = f"{type(culprit).__module__}.{type(culprit).__qualname__}".removeprefix("builtins.")
+    opened = " (an open file)" if isinstance(culprit, io.IOBase) else ""
+    return f"{name}{''.join(s.text for s in steps)} holds a {kind}{opened}: "

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from multiprocessing.context import BaseContext
 from typing import Any, Literal
 
-from . import _byvalue, _forkserver, _reply, _slots, _worker
+from . import _byvalue, _forkserver, _mainguard, _reply, _slots, _worker
 from ._cpus import available_cpus
 from ._generation import Generation, concurrency_of, interpreter_exiting, live_boxes
 from ._slots import CrashInfo, Slots, describe_exit
@@ -199,6 +199,7 @@ class WorkerPool:
             return Generation.borrowed(number, self._external)
         if self._context is None:
             return Generation.thread(number)
+        _mainguard.refuse_while_main_imports()  # before this process makes anything
         _reply.sweep_spills()  # what runs killed with their workers left behind
         try:
             return Generation.processes_of(number, self._context, self.num_workers, self._payloads)
@@ -376,8 +377,9 @@ class WorkerPool:
         ready = any(phase >= Slots.READY for phase, _, _ in rows.values())
         startup = gen.processes is not None and not ready and bool(dead or gen.failure)
         info = CrashInfo(charged, startup=startup, pids=pids)
+        info.fatal = _mainguard.verdict(dead)  # the script re-imported in a worker: no retry helps
         self._start_failures = self._start_failures + 1 if info.startup else 0
-        if self._start_failures >= MAX_START_FAILURES:
+        if self._start_failures >= MAX_START_FAILURES and info.fatal is None:
             self._start_failures = 0
             code = next(iter(dead.values()), None)
             why = f"; the last error: {type(gen.failure).__name__}: {gen.failure}" if gen.failure else ""

@@ -60,6 +60,7 @@ import pickle
 import secrets
 import struct
 import tempfile
+import threading
 import traceback
 from collections.abc import Callable, Iterable
 from multiprocessing.reduction import ForkingPickler
@@ -67,7 +68,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _orphan, _spill
+from . import _culprit, _orphan, _spill
 from ._shm import PREFIX, SHM_DIR, host_key
 from .errors import RemoteError, SharedMemoryError, add_note
 
@@ -79,6 +80,7 @@ __all__ = [
     "Outcome",
     "RemoteTraceback",
     "origin",
+    "process_label",
     "sweep_spills",
     "travelling",
 ]
@@ -150,23 +152,40 @@ class Entry:
         return (Entry, (self.fn, self.origin))
 
     def __call__(self, task: Any) -> Any:
+        consumer, host, dirs = self.origin
+        local = host == host_key()
+        _running.consumer = consumer if local else 0
         try:
             value, ok = self.fn(task), True
         except BaseException as exc:  # SystemExit too: it must not end the worker
             value, ok = exc, False
-        consumer, host, dirs = self.origin
-        local = host == host_key()
         if local and consumer == os.getpid():
             return Outcome(ok, value)
         dirs = dirs if local else ()
         try:
             return _pack(ok, value, dirs, consumer)
         except BaseException as exc:
-            _note(exc, f"aioloader: raised while pickling a task's result in worker pid {os.getpid()}")
+            # The failure path only: name the batch, the sample and the field that will not pickle.
+            kept = _culprit.salvage(value if ok else None, task, exc, process_label())
+            if kept is not None:  # a group, whose other batches still travel
+                with contextlib.suppress(Exception):
+                    return _pack(True, kept, dirs, consumer)
             return _pack(False, exc, dirs, consumer)
 
 
 _note = add_note
+
+# The consumer's pid for the task this thread runs (0 when it is on another host).
+_running = threading.local()
+
+
+def process_label() -> str:
+    """The process running this thread's task, as error notes name it: a worker, or the
+    consumer itself (``num_workers=0``, a borrowed thread executor)."""
+    pid = os.getpid()
+    if getattr(_running, "consumer", 0) == pid:
+        return f"the main process (pid {pid})"
+    return f"worker pid {pid}"
 
 
 class Failed:

@@ -36,7 +36,7 @@ import struct
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
-from . import _seeding, _worker, _worker_info
+from . import _reply, _seeding, _unpicklable, _worker, _worker_info
 from .errors import CollateError, add_note
 
 __all__ = ["CREDIT", "FRAME_LENGTH", "ShardResult", "ShardTask", "run_shard"]
@@ -101,7 +101,7 @@ def _hang_up(sock: socket.socket) -> None:
 
 
 def _where(task: ShardTask, j: int) -> str:
-    return f"batch {j} of worker {task.shard} in epoch {task.epoch}, worker pid {os.getpid()}"
+    return f"batch {j} of worker {task.shard} in epoch {task.epoch}, {_reply.process_label()}"
 
 
 def _batches(ctx: _worker.WorkerContext, task: ShardTask) -> Iterator[list[Any]]:
@@ -135,7 +135,7 @@ def _build(sock: socket.socket, ctx: _worker.WorkerContext, task: ShardTask) -> 
                 ctx.worker_init_fn(task.shard)
             except BaseException as exc:
                 add_note(
-                    exc, f"aioloader: raised by worker_init_fn({task.shard}) in worker pid {os.getpid()}"
+                    exc, f"aioloader: raised by worker_init_fn({task.shard}) in {_reply.process_label()}"
                 )
                 raise
     n = 0
@@ -166,7 +166,11 @@ def _build(sock: socket.socket, ctx: _worker.WorkerContext, task: ShardTask) -> 
                     named = f"; the mismatching samples are at positions {getattr(exc, 'positions', [])} of the batch"
                 add_note(exc, f"aioloader: raised by collate_fn in {_where(task, j)}{named}")
                 raise
-            _send(sock, ("batch", j, len(samples), batch))
+            try:
+                _send(sock, ("batch", j, len(samples), batch))
+            except (TypeError, AttributeError, pickle.PicklingError) as exc:  # what pickling raises
+                _unpicklable.shard(exc, task, j, (1 if ctx.unbatched else ctx.batch_size) * j, samples, batch)
+                raise
     except (BrokenPipeError, ConnectionResetError):
         pass  # the consumer closed the connection: the run is over
     return (n,)

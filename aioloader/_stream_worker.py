@@ -18,12 +18,11 @@ This module never imports asyncio.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from . import _worker
+from . import _reply, _unpicklable, _worker
 from .errors import CollateError, add_note
 
 __all__ = ["Chain", "StreamContext", "StreamResult", "StreamTask", "run_stream_batch"]
@@ -57,6 +56,9 @@ class StreamResult(NamedTuple):
     start_ns: int
     end_ns: int
 
+    def unpicklable(self, task: StreamTask, exc: BaseException, where: str) -> None:
+        _unpicklable.stream(self, task, exc, where)  # see aioloader._culprit.salvage
+
 
 def run_stream_batch(task: StreamTask) -> StreamResult | str:
     """Apply ``fn`` and ``collate_fn`` to one micro-batch. Runs on any executor.
@@ -69,7 +71,7 @@ def run_stream_batch(task: StreamTask) -> StreamResult | str:
 
 
 def _where(task: StreamTask) -> str:
-    return f"micro-batch {task.batch} of the stream, worker pid {os.getpid()}"
+    return f"micro-batch {task.batch} of the stream, {_reply.process_label()}"
 
 
 def _build(ctx: StreamContext, task: StreamTask) -> tuple[Any, int, tuple[tuple[int, str], ...]]:

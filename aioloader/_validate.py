@@ -107,7 +107,9 @@ def check_sampling(
             if given
         ]
         if conflicts:
-            raise ValueError(f"batch_sampler is mutually exclusive with {', '.join(conflicts)}")
+            them = "it" if len(conflicts) == 1 else "them"
+            why = f"the batch sampler makes every batch itself, so leave {them} out"
+            raise ValueError(f"batch_sampler is mutually exclusive with {', '.join(conflicts)}: {why}")
         if not isinstance(batch_sampler, Iterable):
             raise TypeError(f"batch_sampler must be a re-iterable of index sequences, got {batch_sampler!r}")
     if sampler is not None:

@@ -37,7 +37,7 @@ from typing import Any, Literal, NamedTuple, TypeVar
 
 import numpy as np
 
-from . import _byvalue, _lane_wire, _orphan, _reply, _seeding, _slots, _worker_info
+from . import _byvalue, _lane_wire, _orphan, _reply, _seeding, _slots, _unpicklable, _worker_info
 from ._slots import Slots
 from .errors import CollateError, DatasetPickleError, add_note
 
@@ -86,6 +86,9 @@ class BatchResult(NamedTuple):
     start_ns: int
     end_ns: int
 
+    def unpicklable(self, task: BatchTask, exc: BaseException, where: str) -> None:
+        _unpicklable.batch(self, task, exc, where)  # see aioloader._culprit.salvage
+
 
 class GroupTask(NamedTuple):
     """Several batches of one loader in one pool task; the members carry the group's
@@ -102,6 +105,9 @@ class GroupResult(NamedTuple):
     pid: int
     start_ns: int
     end_ns: int
+
+    def unpicklable(self, task: GroupTask, exc: BaseException, where: str) -> GroupResult | None:
+        return _unpicklable.group(self, task, exc, where)  # type: ignore[no-any-return]
 
 
 @dataclass
@@ -188,7 +194,7 @@ def _run_init(ctx: WorkerContext) -> None:
     try:
         ctx.worker_init_fn(wid)
     except Exception as exc:  # surfaced with the first batch this worker builds
-        add_note(exc, f"aioloader: raised by worker_init_fn({wid}) in worker pid {os.getpid()}")
+        add_note(exc, f"aioloader: raised by worker_init_fn({wid}) in {_reply.process_label()}")
         ctx.init_error = exc
 
 
@@ -363,7 +369,7 @@ def run_group(task: GroupTask) -> GroupResult | str:
 
 
 def _where(task: BatchTask) -> str:
-    return f"batch {task.position} of epoch {task.epoch}, worker pid {os.getpid()}"
+    return f"batch {task.position} of epoch {task.epoch}, {_reply.process_label()}"
 
 
 def _build(ctx: WorkerContext, task: BatchTask) -> tuple[Any, tuple[tuple[int, str], ...]]:

@@ -80,6 +80,42 @@ def test_entry_points(tmp_path: Path) -> None:
     one_error_line(out.stderr, "/no/such/dir")
 
 
+def _console_script() -> list[str]:
+    """The installed ``aioloader`` script; without one (a source tree never installed),
+    the same call as that script makes, under its name."""
+    script = Path(sys.executable).with_name("aioloader")
+    if script.is_file():
+        return [str(script)]
+    stub = "import sys; from aioloader.__main__ import main; sys.argv[0] = 'aioloader'; sys.exit(main())"
+    return [sys.executable, "-c", stub]
+
+
+@pytest.mark.parametrize(
+    "command,name",
+    [(None, "aioloader"), ([sys.executable, "-m", "aioloader"], "python -m aioloader")],
+    ids=["console-script", "dash-m"],
+)
+def test_usage_names_the_command_the_user_typed(tmp_path: Path, command: list[str] | None, name: str) -> None:
+    run = _console_script() if command is None else command
+    env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(ROOT), "LC_ALL": "C.UTF-8"}
+
+    def call(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*run, *args], capture_output=True, text=True, env=env, timeout=60, cwd=tmp_path
+        )
+
+    top = call("--help")
+    assert top.returncode == 0 and top.stdout.startswith(f"usage: {name} COMMAND"), top
+    assert f"'{name} COMMAND --help'" in top.stdout
+    for cmd in ("pack", "inspect", "bench", "demo"):
+        sub = call(cmd, "--help")
+        assert sub.returncode == 0 and sub.stdout.startswith(f"usage: {name} {cmd} "), sub
+    missing = call("pack", "no-such-dir", "out.rec", "--workers", "0")
+    assert missing.returncode == 2, missing
+    one_error_line(missing.stderr, "pack: error: IMAGE_DIR no-such-dir does not exist")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
 # --------------------------------------------------------------------------- pack
 
 
@@ -177,7 +213,15 @@ def test_pack_reports_bad_image_and_leaves_nothing(tmp_path: Path, capsys: Captu
     assert main(["pack", str(tmp_path / "imgs"), str(out / "x.rec"), "--workers", "0"]) == 1
     assert "zz.png" in capsys.readouterr().err
     assert list(out.iterdir()) == []
-    assert main(["pack", str(tmp_path / "nowhere"), str(out / "x.rec"), "--workers", "0"]) == 1
+    # a missing IMAGE_DIR is a usage error, like every other bad path
+    assert main(["pack", str(tmp_path / "nowhere"), str(out / "x.rec"), "--workers", "0"]) == 2
+    one_error_line(capsys.readouterr().err, "IMAGE_DIR", "nowhere does not exist")
+    (tmp_path / "file.png").write_bytes(b"x")
+    assert main(["pack", str(tmp_path / "file.png"), str(out / "x.rec"), "--workers", "0"]) == 2
+    one_error_line(capsys.readouterr().err, "file.png is not a folder")
+    (tmp_path / "empty").mkdir()
+    assert main(["pack", str(tmp_path / "empty"), str(out / "x.rec"), "--workers", "0"]) == 1
+    assert list(out.iterdir()) == []
     with pytest.raises(SystemExit) as info:
         main(["pack", str(tmp_path / "imgs"), str(out / "x.rec"), "--quality", "0"])
     assert info.value.code == 2
@@ -243,6 +287,11 @@ def test_inspect_rejects_a_negative_first(capsys: Capture) -> None:
     assert info.value.code == 2 and "--first must be 0 or more, got -1" in capsys.readouterr().err
     assert main(["inspect", str(FIX / "raw.rec"), "--first", "0"]) == 0
     assert "first" not in capsys.readouterr().out.split("records:")[1]
+    assert main(["inspect", str(FIX / "raw.rec"), "--first", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "first 1 record:\n" in out and "first 1 records" not in out
+    assert main(["inspect", str(FIX / "raw.rec"), "--first", "2"]) == 0
+    assert "first 2 records:\n" in capsys.readouterr().out
 
 
 # --------------------------------------------------------------------------- bench

@@ -48,6 +48,9 @@ def test_dataset_exception_keeps_type_message_and_names_the_sample(collect, num_
             collect(loader)
         text = notes(info.value)
         assert "sample index 9" in text and "batch 2 of epoch 0" in text
+        # num_workers=0 runs the batch in this very process: no "worker" to name
+        here = f"the main process (pid {os.getpid()})"
+        assert (here in text) != bool(num_workers) and ("worker pid" in text) == bool(num_workers), text
         if num_workers:
             assert "Traceback" in str(info.value.__cause__)  # the worker's traceback
             pids = loader.worker_pids()
@@ -94,6 +97,68 @@ def test_unpicklable_exception_arrives_as_remote_error(collect) -> None:
     assert err.original_message == "custom 1 2"
     assert "Traceback" in err.remote_traceback and "_datasets.py" in err.remote_traceback
     assert "sample index 3" in notes(err)
+
+
+@pytest.mark.parametrize("collate", [None, list], ids=["default-collate", "list"])
+@pytest.mark.parametrize("num_workers", WORKERS)
+def test_a_sample_that_will_not_pickle_names_the_batch_sample_and_field(collect, num_workers, collate) -> None:
+    from ._unpicklable_datasets import LockInSample
+
+    with aioloader.DataLoader(LockInSample(12, bad=5), 4, num_workers=num_workers, collate_fn=collate) as loader:
+        if not num_workers:  # nothing is pickled in this process: the lock arrives as it is
+            assert len(collect(loader)) == 3
+            return
+        with pytest.raises(TypeError, match=r"cannot pickle '_thread\.lock' object") as info:
+            collect(loader)
+        text = notes(info.value)
+        path = "batch['meta'][1].lock" if collate is None else "batch[1]['meta'].lock"
+        assert f"batch 1 of epoch 0 cannot be pickled to travel to the main process: {path} holds a _thread.lock" in text
+        assert "sample 1 of the batch (sample index 5), field sample['meta'].lock; in worker pid" in text
+        assert "Traceback" in str(info.value.__cause__)
+        # the worker lives on: the next epoch fails at the same batch, on the same workers
+        pids = loader.worker_pids()
+        with pytest.raises(TypeError):
+            collect(loader)
+        assert loader.worker_pids() == pids and loader.stats().restarts == 0
+
+
+def test_a_batch_that_will_not_pickle_fails_alone_in_its_group() -> None:
+    from ._unpicklable_datasets import LockInSample
+
+    got = []
+    ds = LockInSample(24, bad=9)  # batch 2 of 6; batches 0-3 share one task
+    with aioloader.DataLoader(ds, 4, num_workers=1, batches_per_task=4, collate_fn=list) as loader:
+        with pytest.raises(TypeError) as info:
+            for batch in loader:
+                got.append([s["meta"].id for s in batch])
+    assert got == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert "batch 2 of epoch 0 cannot be pickled" in notes(info.value)
+    assert "sample 1 of the batch (sample index 9)" in notes(info.value)
+
+
+def test_a_stream_item_that_will_not_pickle_names_its_source_position(collect) -> None:
+    from ._unpicklable_datasets import lock_at_six
+
+    with aioloader.StreamLoader(range(10), lock_at_six, batch_size=4, num_workers=1) as stream:
+        with pytest.raises(TypeError, match="cannot pickle") as info:
+            collect(stream)
+    text = notes(info.value)
+    assert "micro-batch 1 of the stream cannot be pickled to travel to the main process" in text
+    assert "batch['lock'][2] holds a _thread.lock; it comes from item 2 of the batch (source position 6)" in text
+    assert "field item['lock']" in text and "fn and collate_fn" in text
+
+
+def test_an_iterable_datasets_sample_that_will_not_pickle_is_named(collect) -> None:
+    pytest.importorskip("torch")
+    from ._unpicklable_datasets import LockInStream
+
+    with aioloader.DataLoader(LockInStream(), 4, num_workers=1, collate_fn=list) as loader:
+        with pytest.raises(TypeError, match="cannot pickle") as info:
+            collect(loader)
+    text = notes(info.value)
+    assert "batch 1 of worker 0 in epoch 0 cannot be pickled" in text
+    assert "batch[2]['lock'] holds a _thread.lock" in text
+    assert "sample 2 of the batch (sample 6 of worker 0's iteration), field sample['lock']" in text
 
 
 @pytest.mark.parametrize("num_workers", WORKERS)
@@ -421,6 +486,35 @@ def test_unpicklable_dataset_fails_before_any_worker_starts(collect) -> None:
             collect(loader)
         assert "lock" in str(info.value) and "cannot be pickled" in str(info.value)
         assert not (descendant_workers() - before)
+
+
+@pytest.mark.parametrize("mode", ["r", "rb"], ids=["text", "binary"])
+def test_an_open_file_in_a_dataset_or_fn_is_refused_and_named(collect, mode: str, tmp_path: Path) -> None:
+    # A text file used to travel as a StringIO copy of its contents (read apart from the file).
+    from ._unpicklable_datasets import FileReader, HoldsAFile
+
+    path = tmp_path / "labels.txt"
+    path.write_text("cat\ndog\n")
+    kind = "_io.TextIOWrapper" if mode == "r" else "_io.BufferedReader"
+    before = descendant_workers()
+    dataset = HoldsAFile(str(path), mode)
+    try:
+        with aioloader.DataLoader(dataset, 2, num_workers=2) as loader:
+            with pytest.raises(aioloader.DatasetPickleError) as info:
+                collect(loader)
+        assert not (descendant_workers() - before)
+    finally:
+        dataset.close()
+    text = str(info.value)
+    assert f"dataset.files['labels'] holds a {kind} (an open file): TypeError: cannot pickle '{kind}'" in text
+    assert "Drop unpicklable members (open files" in text
+    fn = FileReader(str(path), mode)
+    try:
+        with pytest.raises(aioloader.DatasetPickleError) as info:  # a stream's fn: at construction
+            aioloader.StreamLoader(range(3), fn, num_workers=1)
+    finally:
+        fn.handle.close()
+    assert f"fn.handle holds a {kind} (an open file)" in str(info.value)
 
 
 def test_every_error_class_pickles() -> None:

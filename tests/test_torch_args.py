@@ -24,6 +24,18 @@ def flat(batches: list[list[int]]) -> list[int]:
     return [i for b in batches for i in b]
 
 
+# ------------------------------------------------------------------ batch_sampler
+def test_batch_sampler_says_to_leave_drop_last_out() -> None:
+    # drop_last=False is torch's default and accepted beside a batch sampler; True is not
+    with aioloader.DataLoader(RangeDataset(4), batch_sampler=[[0, 1], [2, 3]], drop_last=False) as loader:
+        assert len(loader) == 2
+    with pytest.raises(ValueError, match="batch_sampler is mutually exclusive with drop_last=True") as info:
+        aioloader.DataLoader(RangeDataset(4), batch_sampler=[[0, 1], [2, 3]], drop_last=True)
+    assert "leave it out" in str(info.value)
+    with pytest.raises(ValueError, match=r"with batch_size, drop_last=True: .* leave them out"):
+        aioloader.DataLoader(RangeDataset(4), 2, batch_sampler=[[0, 1]], drop_last=True)
+
+
 # ------------------------------------------------------------------ prefetch_factor
 @pytest.mark.parametrize("num_workers,factor", [(1, 3), (2, 2)], ids=["1x3", "2x2"])
 def test_prefetch_factor_is_per_worker(collect, num_workers: int, factor: int) -> None:

@@ -1,4 +1,4 @@
-"""The command line: ``python -m aioloader {demo,pack,inspect,bench} ...``.
+"""The command line: ``aioloader {demo,pack,inspect,bench} ...`` (or ``python -m aioloader``).
 
 The top of the layering: the commands use the public loaders and the formats layer,
 and nothing imports them. Each command lives in its own ``cmd_*`` module, imported only
@@ -8,12 +8,13 @@ when it runs, so ``--help`` and ``inspect`` never pay for the loader's imports.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
-__all__ = ["USAGE", "error", "main", "usage_error"]
+__all__ = ["error", "main", "program", "usage", "usage_error"]
 
-USAGE = """usage: python -m aioloader COMMAND [ARGS]
+_USAGE = """usage: {prog} COMMAND [ARGS]
 
 commands:
   demo      two epochs of JPEG decode + augmentation on a synthetic dataset
@@ -21,8 +22,25 @@ commands:
   inspect   summarise a .rec file
   bench     measure a dataset factory under several num_workers/prefetch settings
 
-'python -m aioloader COMMAND --help' describes a command's arguments.
+'{prog} COMMAND --help' describes a command's arguments.
 """
+
+
+def program() -> str:
+    """The name the user typed: ``aioloader`` for the console script, else ``python -m aioloader``.
+
+    The console script's ``sys.argv[0]`` is its own path, so its name is kept as it is.
+    Under ``-m`` it is ``.../aioloader/__main__.py``; a caller of :func:`main` from
+    another program (a test, a notebook) also gets the ``-m`` form, which works anywhere.
+    """
+    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return name if name.startswith("aioloader") and not name.endswith(".py") else "python -m aioloader"
+
+
+def usage() -> str:
+    """The top-level usage text, under the name the user typed."""
+    return _USAGE.format(prog=program())
+
 
 # command -> (module, function); the module is imported only when its command runs
 _COMMANDS = {
@@ -52,11 +70,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
-        print(USAGE, file=sys.stdout if args else sys.stderr)
+        print(usage(), file=sys.stdout if args else sys.stderr)
         return 0 if args else 2
     cmd, rest = args[0], args[1:]
     if cmd not in _COMMANDS:
-        print(f"unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
+        print(f"unknown command {cmd!r}\n\n{usage()}", file=sys.stderr)
         return 2
     module, function = _COMMANDS[cmd]
     run = getattr(importlib.import_module(f"{__name__}.{module}"), function)

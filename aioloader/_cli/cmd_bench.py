@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..loader import DataLoader
-from . import usage_error
+from . import program, usage_error
 
 __all__ = [
     "BenchResult",
@@ -213,7 +213,7 @@ def _default_workers(cores: int) -> list[int]:
 
 def _parser(cores: int) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m aioloader bench",
+        prog=f"{program()} bench",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

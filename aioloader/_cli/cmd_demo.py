@@ -20,6 +20,7 @@ from .._formats.synthetic import JpegWriter, default_cache, make_synthetic_jpegs
 from .._pool import WorkerPool
 from ..datasets import SyntheticJpegDataset
 from ..loader import DataLoader
+from . import program
 
 __all__ = ["demo_main"]
 
@@ -39,7 +40,7 @@ def _writing_on(pool: WorkerPool) -> Callable[[JpegWriter], Iterator[list[int]]]
 
 def demo_main(argv: Sequence[str] | None = None) -> int:
     """Run the demo; print one line per epoch on stdout (progress bars on stderr); return 0."""
-    parser = argparse.ArgumentParser(prog="python -m aioloader demo", description=__doc__)
+    parser = argparse.ArgumentParser(prog=f"{program()} demo", description=__doc__)
     parser.add_argument("--images", type=int, default=1024, help="synthetic JPEGs to write (first run only)")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=64)

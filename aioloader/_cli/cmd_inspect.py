@@ -23,7 +23,7 @@ from PIL import Image
 
 from ..errors import RecordIOError
 from ..recordio import MAGIC, IndexedRecordReader, RecordReader, unpack_header
-from . import error, usage_error
+from . import error, program, usage_error
 
 __all__ = ["inspect_main"]
 
@@ -33,7 +33,7 @@ _FLOAT = re.compile(rb"[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
 
 def _inspect_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m aioloader inspect",
+        prog=f"{program()} inspect",
         description="Summarise a RecordIO file: records, keys, labels, classes, first image sizes.",
     )
     parser.add_argument(
@@ -208,7 +208,8 @@ def _report(
         more = "" if len(named) <= 10 else ", ..."
         print(f"classes:  {len(named)} (from {lst_path}): {shown}{more}", file=out)
     if s.first:
-        print(f"first {len(s.first)} records:", file=out)
+        records = "record" if len(s.first) == 1 else "records"
+        print(f"first {len(s.first)} {records}:", file=out)
         for i, line in enumerate(s.first):
             key = f"key {int(keys[i])}" if keys is not None and i < len(keys) else f"#{i}"
             print(f"  {key}: {line}", file=out)

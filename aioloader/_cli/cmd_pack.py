@@ -21,7 +21,7 @@ from .._formats.progress import progress_bar
 from ..datasets import ImageDecodeError, ImageFolder
 from ..recordio import IndexedRecordWriter, IRHeader, pack_header
 from ..transforms import Resize
-from . import error, usage_error
+from . import error, program, usage_error
 
 __all__ = ["EncodeDataset", "pack_main"]
 
@@ -97,7 +97,7 @@ def _remove_quietly(path: str) -> None:
 
 def _pack_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m aioloader pack",
+        prog=f"{program()} pack",
         description=(
             "Pack an image folder (one sub-folder per class) into an MXNet-compatible "
             ".rec + .idx pair and im2rec's .lst list; labels are class indices in sorted "
@@ -158,15 +158,25 @@ def _list_lines(folder: ImageFolder) -> list[str]:
     return lines
 
 
+def _input_problem(image_dir: str) -> str | None:
+    """Why ``IMAGE_DIR`` cannot be read as an image folder, or None when it is a folder."""
+    if not os.path.exists(image_dir):
+        return f"IMAGE_DIR {image_dir} does not exist"
+    if not os.path.isdir(image_dir):
+        return f"IMAGE_DIR {image_dir} is not a folder"
+    return None
+
+
 def pack_main(argv: Sequence[str] | None = None) -> int:
     """Run ``pack`` with command-line arguments ``argv``; return the exit status.
 
     Writes ``OUT.rec``, ``OUT.idx`` (keys 0..N-1 in sorted path order) and ``OUT.lst``,
     first under temporary names that replace the outputs only once everything is written,
     so a failed run leaves nothing half-written. Prints a progress bar on stderr and a
-    summary on stdout. Returns 2 (one line on stderr) when the outputs cannot be written,
-    checked before any image is read; 1 for a missing folder or an image that does not
-    decode; exits with status 2 for invalid arguments.
+    summary on stdout. Returns 2 (one line on stderr) when the outputs cannot be written
+    or ``IMAGE_DIR`` is not a folder, checked before any image is read; 1 for a folder
+    without images or an image that does not decode; exits with status 2 for invalid
+    arguments.
     """
     parser = _pack_parser()
     args = parser.parse_args(argv)
@@ -185,7 +195,7 @@ def pack_main(argv: Sequence[str] | None = None) -> int:
     rec_path = os.fspath(args.output)
     stem = os.path.splitext(rec_path)[0]
     outputs = (rec_path, stem + ".idx", stem + ".lst")
-    problem = _output_problem(rec_path)
+    problem = _output_problem(rec_path) or _input_problem(args.image_dir)
     if problem is not None:
         return usage_error("pack", problem)
     try:
