@@ -77,6 +77,7 @@ class _Exchange:
         self._taken = asyncio.Event()  # the app took the last chunk handed to it
         self._responded = False  # the app sent the last part of its response
         self._withdrawn = False  # the watcher cancelled the app
+        self._error: Exception | None = None  # what the server's receive raised
         self._app_task: asyncio.Task[None] | None = None
 
     async def run(self, app: ASGIApp, scope: Scope) -> None:
@@ -102,11 +103,16 @@ class _Exchange:
 
     async def _watch(self) -> None:
         while True:
-            message = await self._receive()
+            try:
+                message = await self._receive()
+            except Exception as exc:  # the server's receive failed: the app's does too
+                self._error = exc
+                self._inbox.put_nowait(_FAILED)
+                return
             if message["type"] == "http.disconnect":
                 if not self._responded and self._app_task is not None:
                     self._withdrawn = True
-                    self._app_task.cancel()
+                    self._app_task.cancel(msg="the client disconnected")
                 self._inbox.put_nowait(message)
                 return
             self._taken.clear()
@@ -118,13 +124,21 @@ class _Exchange:
 
     async def receive(self) -> Message:
         message = await self._inbox.get()
-        if message["type"] == "http.disconnect":
+        if message is _FAILED or message["type"] == "http.disconnect":
             self._inbox.put_nowait(message)  # every later call sees it too, as from a server
+            if self._error is not None:
+                raise self._error
         else:
             self._taken.set()
         return message
 
     async def send(self, message: Message) -> None:
-        if message["type"] == "http.response.body" and not message.get("more_body", False):
+        kind = message["type"]
+        if kind == "http.response.pathsend" or (kind in _BODIES and not message.get("more_body", False)):
             self._responded = True  # (before the send: a disconnect it causes is no withdrawal)
         await self._send(message)
+
+
+_FAILED: Message = {"type": "aioloader.receive_failed"}
+# The messages whose last one completes a response (the second an ASGI extension).
+_BODIES = ("http.response.body", "http.response.zerocopysend")

@@ -211,7 +211,7 @@ async def test_middleware_keeps_bodies_background_tasks_and_lifespan_whole() -> 
 
 
 @pytest.mark.asyncio
-async def test_middleware_passes_the_apps_own_errors_and_websocket_scopes() -> None:
+async def test_middleware_passes_errors_and_leaves_websocket_scopes_alone() -> None:
     async def failing(scope: Any, receive: Any, send: Any) -> None:
         raise KeyError("the app's own error")
 
@@ -220,10 +220,37 @@ async def test_middleware_passes_the_apps_own_errors_and_websocket_scopes() -> N
     async def plain(scope: Any, receive: Any, send: Any) -> None:
         seen.append(scope["type"])
 
+    async def reader(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+
+    async def broken() -> Any:
+        raise OSError("the server's receive failed")
+
     with pytest.raises(KeyError, match="the app's own error"):
         await CancelOnDisconnect(failing)({"type": "http"}, _never, _discard)
+    with pytest.raises(OSError, match="the server's receive failed"):
+        await CancelOnDisconnect(reader)({"type": "http"}, broken, _discard)
     await CancelOnDisconnect(plain)({"type": "websocket"}, _never, _discard)
     assert seen == ["websocket"]
+
+
+@pytest.mark.asyncio
+async def test_a_server_cancelling_the_request_cancels_the_app_and_is_not_swallowed() -> None:
+    entered, finished = asyncio.Event(), asyncio.Event()
+
+    async def waits(scope: Any, receive: Any, send: Any) -> None:
+        entered.set()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            finished.set()
+
+    call = asyncio.ensure_future(CancelOnDisconnect(waits)({"type": "http"}, _never, _discard))
+    await asyncio.wait_for(entered.wait(), 10)
+    call.cancel()  # as uvicorn does past its timeout_graceful_shutdown
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert finished.is_set()
 
 
 async def _never() -> Any:
