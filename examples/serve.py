@@ -15,8 +15,10 @@ estimates it would answer too late gets ``503`` at once, one that still runs lat
 The whole of the batching is the handler's one line, ``await batcher.submit(body)``: the
 Batcher groups concurrent uploads into micro-batches (``--batch-size``, or whatever has
 arrived ``--max-latency`` seconds after the first), decodes and resizes them in worker
-processes, and hands each request its own array. A client that disconnects withdraws
-its upload if no worker has taken it yet.
+processes, and hands each request its own array. A client that hangs up withdraws its
+upload: aiohttp cancels its handler (``handler_cancellation=True``, see ``make_runner``),
+so an upload still queued never reaches a worker and one at a worker has its result
+dropped. ``examples/serve_fastapi.py`` is the same service on FastAPI and uvicorn.
 
 The server stops by itself after ``--duration`` seconds or ``--max-requests`` answers
 (or on SIGINT/SIGTERM) and prints one JSON summary line.
@@ -101,6 +103,22 @@ class Service:
         return web.json_response(_stats(self.batcher.stats()))
 
 
+def make_runner(service: Service) -> web.AppRunner:
+    """The aiohttp app of ``service``, ready to be set up and given a site."""
+    app = web.Application(client_max_size=32 * 1024 * 1024)
+    app.add_routes(
+        [
+            web.post("/predict", service.predict),
+            web.get("/health", service.health),
+            web.get("/stats", service.stats),
+        ]
+    )
+    # handler_cancellation: aiohttp cancels the handler of a client that hung up, and
+    # the cancelled `await batcher.submit()` withdraws its upload. By default aiohttp
+    # lets the handler run on: the upload would stay queued or at a worker.
+    return web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
+
+
 def _stats(st: aioloader.BatcherStats) -> dict[str, Any]:
     return {
         "submitted": st.submitted,
@@ -134,15 +152,7 @@ async def serve(args: argparse.Namespace) -> dict[str, Any]:
         # it, so the pauses it puts on every request in flight stay short.
         gc.collect()
         gc.freeze()
-        app = web.Application(client_max_size=32 * 1024 * 1024)
-        app.add_routes(
-            [
-                web.post("/predict", service.predict),
-                web.get("/health", service.health),
-                web.get("/stats", service.stats),
-            ]
-        )
-        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        runner = make_runner(service)
         await runner.setup()
         site = web.TCPSite(runner, args.host, args.port)
         await site.start()
@@ -153,7 +163,7 @@ async def serve(args: argparse.Namespace) -> dict[str, Any]:
             loop.add_signal_handler(sig, service.done.set)
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(service.done.wait(), args.duration)
-        await runner.cleanup()  # stops accepting, lets handlers in progress finish
+        await runner.cleanup()  # stops accepting, lets the handlers of clients still there finish
         summary = {
             "answered": service.answered,
             "failed": service.failed,

@@ -114,3 +114,41 @@ def logged(path: str) -> list[int]:
     """The items a :class:`Poison` logged, in order."""
     with open(path) as f:
         return [int(line) for line in f.read().split()]
+
+
+def decode_held(body: bytes) -> Any:
+    """:func:`held` for web handlers, whose items are request bodies: ``b"hold"`` blocks
+    until the test sets ``hold``; any other body is decoded as an image (RGB, 0..1)."""
+    calls.append(body)
+    if body == b"hold":
+        entered.set()
+        if not hold.wait(30):
+            raise AssertionError("the test never released the held call")
+        return b"held"
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    with Image.open(io.BytesIO(body)) as im:
+        return np.asarray(im.convert("RGB"), dtype=np.float32) / 255.0
+
+
+class Gated:
+    """For worker processes: a body starting ``b"hold"`` blocks until the file ``gate``
+    exists (at most ``limit`` seconds, then it raises); any other body returns its length."""
+
+    def __init__(self, gate: str, limit: float = 60.0) -> None:
+        self.gate = gate
+        self.limit = limit
+
+    def __call__(self, body: bytes) -> int:
+        if body.startswith(b"hold"):
+            import time
+
+            deadline = time.monotonic() + self.limit
+            while not os.path.exists(self.gate):  # (a worker has no event to wait on)
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{self.gate} never appeared")
+                time.sleep(0.01)
+        return len(body)

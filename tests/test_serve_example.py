@@ -139,3 +139,38 @@ def test_overload_answers_503_at_once_and_nothing_wrong() -> None:
     assert stats["overloaded"] == statuses["503"] == stats["rejected"]
     assert stats["answered"] == statuses["200"]
     assert stats["late"] == statuses.get("504", 0) == stats["expired"]  # a deadline missed: 504
+
+
+def test_fastapi_example_serves_the_load_and_stops_at_sigint() -> None:
+    """examples/serve_fastapi.py (uvicorn) answers what serve.py answers, and SIGINT
+    stops it cleanly with its summary."""
+    requests, invalid = 200, 3
+    server = subprocess.Popen(
+        [sys.executable, str(EXAMPLES / "serve_fastapi.py"), "--port", "0", "--workers", "2", "--batch-size", "8"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT,
+    )  # fmt: skip
+    try:
+        assert server.stdout is not None
+        first = server.stdout.readline()
+        assert first.startswith("listening on http://127.0.0.1:"), first
+        port = first.strip().rsplit(":", 1)[1]
+        load = subprocess.run(
+            [sys.executable, str(EXAMPLES / "serve_load.py"), "--port", port, "--requests", str(requests),
+             "--concurrency", "8", "--size", "96", "--invalid", str(invalid), "--timeout", "30"],
+            capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=90,
+        )  # fmt: skip
+        assert load.returncode == 0, load.stdout + load.stderr
+        summary = _last_json(load.stdout, "load")
+        assert summary["requests"] == requests and summary["wrong"] == []
+        server.send_signal(2)  # SIGINT: uvicorn shuts down, the lifespan closes the Batcher
+        out, err = server.communicate(timeout=60)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.communicate()
+    assert server.returncode == 0, err
+    stats = _last_json(out, "server")
+    assert stats["answered"] == requests and stats["failed"] == invalid
+    assert stats["completed"] == requests - invalid + 2  # the two warm-up images
+    assert (stats["waiting"], stats["in_flight"], stats["restarts"]) == (0, 0, 0)
+    assert "Traceback" not in err, err
