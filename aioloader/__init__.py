@@ -20,6 +20,7 @@ from .errors import ImageDecodeError as ImageDecodeError
 from .errors import LoaderClosedError as LoaderClosedError
 from .errors import LoaderTimeout as LoaderTimeout
 from .errors import Overloaded as Overloaded
+from .errors import OversubscribedWarning as OversubscribedWarning
 from .errors import PoolBrokenError as PoolBrokenError
 from .errors import RecordIOError as RecordIOError
 from .errors import RemoteError as RemoteError
@@ -50,6 +51,7 @@ __all__ = [
     "LoaderStats",
     "LoaderTimeout",
     "Overloaded",
+    "OversubscribedWarning",
     "PoolBrokenError",
     "RecordIOError",
     "RemoteError",

@@ -34,8 +34,8 @@ from typing import Any, ClassVar, Protocol, TypeVar
 from . import _mainguard, _worker
 from ._cpus import available_cpus
 from ._engine.run import Run
-from ._engine.units import Delivery, RunConfig, closed_while_iterating
-from ._goes_on import GoesOn, GoesOnAsync
+from ._engine.units import Delivery, Failed, RunConfig, closed_while_iterating
+from ._goes_on import GoesOn
 from ._payload import pickle_for_workers
 from ._pool import WorkerPool
 from ._portal import END, Feed, Portal
@@ -366,7 +366,7 @@ class IterableLoader(LoaderBase):
         raise NotImplementedError
 
     def __aiter__(self) -> AsyncIterator[Any]:
-        return GoesOnAsync(self._aiterate())
+        return self._aiterate()
 
     async def _aiterate(self) -> AsyncIterator[Any]:
         p = await self._begin()
@@ -376,8 +376,13 @@ class IterableLoader(LoaderBase):
                     batch = p.accept(await p.take())
                 except StopAsyncIteration:
                     return
+                if type(batch) is Failed:
+                    # An async generator that raises is over: the run ends here, inline,
+                    # before the error reaches the caller. Left to the garbage collector,
+                    # its cleanup would race the caller's event loop closing.
+                    raise batch.error
                 if batch is not None:
-                    yield batch  # a Failed too: the wrapper raises its error
+                    yield batch
         finally:
             await p.finish()
 

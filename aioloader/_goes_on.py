@@ -1,21 +1,23 @@
-"""The faces' iterators: generators wrapped so that a batch's error does not end them.
+"""The ``for`` face's iterator: a generator wrapped so that a batch's error does not end it.
 
 A generator that raises is over, and torch's iterator goes on after a failed batch. The
-faces stay generators (their cleanup runs when they are closed or collected, and an
-async one is finalised by its event loop); they yield a
+face stays a generator (its cleanup runs when it is closed or collected); it yields a
 :class:`~aioloader._engine.units.Failed` for a batch that raised, and the wrapper raises
-its error. The wrappers drop their own reference before raising, so that the error's
+its error. The wrapper drops its own reference before raising, so that the error's
 traceback does not keep the iteration alive after a ``for`` loop that it ended.
+
+The ``async for`` face is not wrapped: an error ends it, and its run is finished before
+the error reaches the caller (see ``IterableLoader._aiterate``).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from ._engine.units import Failed
 
-__all__ = ["GoesOn", "GoesOnAsync"]
+__all__ = ["GoesOn"]
 
 
 class GoesOn(Iterator[Any]):
@@ -40,27 +42,3 @@ class GoesOn(Iterator[Any]):
         close = getattr(self._gen, "close", None)
         if close is not None:
             close()
-
-
-class GoesOnAsync(AsyncIterator[Any]):
-    __slots__ = ("_agen",)
-
-    def __init__(self, agen: AsyncIterator[Any]) -> None:
-        self._agen = agen
-
-    def __aiter__(self) -> GoesOnAsync:
-        return self
-
-    async def __anext__(self) -> Any:
-        item = await self._agen.__anext__()
-        if type(item) is Failed:
-            error = item.error
-            del self, item
-            raise error
-        return item
-
-    async def aclose(self) -> None:
-        """End the iteration now (as closing an async generator does)."""
-        aclose = getattr(self._agen, "aclose", None)
-        if aclose is not None:
-            await aclose()

@@ -21,6 +21,7 @@ from typing import Any
 from ._cpus import available_cpus
 from ._pool import concurrency_of
 from ._validate import check_bool, check_int, check_num_workers, resolve_context
+from .errors import OversubscribedWarning
 
 __all__ = [
     "PinningPass",
@@ -169,9 +170,9 @@ def warn_if_oversubscribed(num_workers: Any) -> None:
         level, frame = level + 1, frame.f_back
     warnings.warn(
         f"This DataLoader will create {workers} worker processes in total, more than the {cpus} CPUs "
-        f"this process may use ({why}): the workers would take turns on them, which may make loading "
-        "slow or even freeze it. Lower num_workers, or pass num_workers='auto' for one per CPU",
-        UserWarning,
+        f"this process may use ({why}): the workers would take turns on them, which makes loading "
+        "slower. Lower num_workers, or pass num_workers='auto' for one per CPU",
+        OversubscribedWarning,
         stacklevel=level,
     )
 

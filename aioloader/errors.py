@@ -200,6 +200,14 @@ class SharedMemoryError(AioLoaderError, RuntimeError):
     """A batch's shared-memory slab could not be mapped or was not in the expected state."""
 
 
+class OversubscribedWarning(UserWarning):
+    """``num_workers`` is more than the CPUs this process may use (torch warns the same).
+
+    A ``UserWarning``, so code that filters torch's warning filters this one too. A test
+    suite that runs its loaders with warnings as errors can ignore this class alone.
+    """
+
+
 class ShmFallbackWarning(UserWarning):
     """Shared memory could not carry a loader's batches; they are pickled instead.
 

@@ -188,7 +188,11 @@ def test_permanent_failure_names_the_index_and_the_key(
 ) -> None:
     items = list(files[1][:8])
     items[5] = (MISSING, 5)
-    with aioloader.DataLoader(items, batch_size=4, fetch=HttpFetch(server.base), transform=decode) as dl:
+    # prefetch_next_epoch=False: the for face goes on after the error, so the next
+    # epoch's prefetch would fetch the missing key again (a new epoch, not a retry)
+    with aioloader.DataLoader(
+        items, batch_size=4, fetch=HttpFetch(server.base), transform=decode, prefetch_next_epoch=False
+    ) as dl:
         with pytest.raises(aiohttp.ClientResponseError) as info:
             collect(dl)
     assert info.value.status == 404
