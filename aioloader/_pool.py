@@ -375,8 +375,7 @@ class WorkerPool:
             if phase >= Slots.ACCEPTED and task_id >= 0:
                 charged[task_id], pids[task_id] = code, pid
         ready = any(phase >= Slots.READY for phase, _, _ in rows.values())
-        startup = gen.processes is not None and not ready and bool(dead or gen.failure)
-        info = CrashInfo(charged, startup=startup, pids=pids)
+        info = CrashInfo(charged, startup=gen.processes is not None and not ready and bool(dead or gen.failure), pids=pids)
         info.fatal = _mainguard.verdict(dead)  # the script re-imported in a worker: no retry helps
         self._start_failures = self._start_failures + 1 if info.startup else 0
         if self._start_failures >= MAX_START_FAILURES and info.fatal is None:

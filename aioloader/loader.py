@@ -46,6 +46,7 @@ from ._validate import (
     check_unbatched,
     is_iterable_dataset,
 )
+from .errors import PoolBrokenError
 
 __all__ = ["DataLoader"]
 
@@ -421,8 +422,11 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
             return p if self._pin is None else PinningPass(p, self._pin)
 
     def _run_config(self) -> RunConfig:
-        # fail_fast=False: a failed batch is delivered as its error and the run goes on (torch's way).
-        return self._config(ordered=self.ordered, fetch=self._fetch, group=self._group, fail_fast=False)
+        # fail_fast=False: a failed batch is delivered as its error and the run goes on
+        # (torch's way); a pool that cannot start ends it (torch's iterator dies then too).
+        return self._config(
+            ordered=self.ordered, fetch=self._fetch, group=self._group, fail_fast=False, fatal=(PoolBrokenError,)
+        )
 
     def _end_pass(self, p: EpochPass) -> bool:
         """Called when pass ``p`` ends: park its run if it went on into the epoch the

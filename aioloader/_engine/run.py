@@ -247,7 +247,7 @@ class Run:
             except asyncio.CancelledError:
                 raise await self._cancelled() from None
             except Exception as exc:
-                if not self.cfg.fail_fast and not isinstance(exc, LoaderClosedError):
+                if not self.cfg.fail_fast and not isinstance(exc, (LoaderClosedError, *self.cfg.fatal)):
                     # Delivered like a batch: its slot is held until the consumer takes it,
                     # so errors taken ahead count against the window too.
                     return Delivery(unit, None, (), exc, entry, time.monotonic_ns() - t0)

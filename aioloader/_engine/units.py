@@ -65,7 +65,10 @@ class RunConfig:
     decode: Callable[[Any], Any] | None
     recorder: Recorder
     is_closed: Callable[[], bool]
-    fail_fast: bool = True  # a unit's error ends the run (loaders); False: it is delivered (serving)
+    fail_fast: bool = True  # a unit's error ends the run; False: it is delivered (serving, DataLoader)
+    # Errors that end the run even when it does not fail fast: a DataLoader whose pool
+    # cannot start must not start it again for each later batch.
+    fatal: tuple[type[BaseException], ...] = ()
     fetch: FetchConfig | None = None  # a fetch stage between the window and the dispatcher
     group: GroupPolicy | None = None  # several units per pool task (units with no fetch stage)
     isolate: bool = False  # a lost micro-batch runs again one item a task (see isolate.py)
