@@ -2,17 +2,17 @@
 
 Ownership: a :class:`WorkerPool` either *owns* its executor (it created it: a process
 pool, or the single thread of ``num_workers=0``) or *borrows* one the user passed in.
-An owned pool is created on first use, lives across epochs and iterators, is replaced
-by a new *generation* after a worker dies, and is shut down by :meth:`WorkerPool.close`
-(or its finalizer). A borrowed executor is never shut down or rebuilt by aioloader.
+An owned pool is created on first use, lives across epochs and iterators, is replaced by
+a new *generation* after a worker dies, and is shut down by :meth:`WorkerPool.close` (or
+its finalizer). A borrowed executor is never shut down or rebuilt.
 
 What the dispatcher gets, whatever the executor: :meth:`~WorkerPool.start`,
 :meth:`~WorkerPool.submit` (a :class:`Job`), :meth:`~WorkerPool.result` (the task's
 value, its own exception, or :class:`Lost`), :meth:`~WorkerPool.started_at`,
 :meth:`~WorkerPool.stop` and :meth:`~WorkerPool.recover`. Executor errors become
-aioloader errors here and nowhere else; no concurrent future is ever cancelled while
-its executor may still complete it (a ``ProcessPoolExecutor`` that breaks sets an
-exception on every pending future, and a cancelled one makes its manager thread die).
+aioloader errors here and nowhere else; no concurrent future is cancelled while its
+executor may still complete it (a broken ``ProcessPoolExecutor`` sets an exception on
+every pending future, and a cancelled one makes its manager thread die).
 
 Crash attribution (the deaths are recorded by :mod:`aioloader._generation`, which
 holds every private name of ``concurrent.futures`` and ``multiprocessing`` we read): a
@@ -375,7 +375,8 @@ class WorkerPool:
             if phase >= Slots.ACCEPTED and task_id >= 0:
                 charged[task_id], pids[task_id] = code, pid
         ready = any(phase >= Slots.READY for phase, _, _ in rows.values())
-        info = CrashInfo(charged, startup=gen.processes is not None and not ready and bool(dead or gen.failure), pids=pids)
+        startup = gen.processes is not None and not ready and bool(dead or gen.failure)
+        info = CrashInfo(charged, startup=startup, pids=pids)
         info.fatal = _mainguard.verdict(dead)  # the script re-imported in a worker: no retry helps
         self._start_failures = self._start_failures + 1 if info.startup else 0
         if self._start_failures >= MAX_START_FAILURES and info.fatal is None:
@@ -438,11 +439,9 @@ def _stopped(job: Job) -> bool:
 
 
 def _release_stranded(gen: Generation) -> None:
-    """After a process generation is retired (its workers killed, its manager thread
-    joined), every future it had should be settled. One that is not never will be, and
-    its task would wait for ever: it is reported lost like the others (and resubmitted,
-    charged only if its own worker died holding it). A safety net: no path is known to
-    leave one, but a hang here would be silent."""
+    """A future a retired process generation left unsettled never will be: it is
+    reported lost (and resubmitted, charged only if its own worker died holding it). A
+    safety net: no path is known to leave one, but a hang here would be silent."""
     if gen.processes is None:
         return  # threads: a task still running after retire() is running, not stranded
     for job in list(gen.jobs):
