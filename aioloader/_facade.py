@@ -376,11 +376,8 @@ class IterableLoader(LoaderBase):
                     batch = p.accept(await p.take())
                 except StopAsyncIteration:
                     return
-                if type(batch) is Failed:
-                    # An async generator that raises is over: the run ends here, inline,
-                    # before the error reaches the caller. Left to the garbage collector,
-                    # its cleanup would race the caller's event loop closing.
-                    raise batch.error
+                if type(batch) is Failed:  # the run ends now, not in an aclose at collection
+                    raise batch.error  # (asyncio.run may close the loop before that runs)
                 if batch is not None:
                     yield batch
         finally:
