@@ -70,9 +70,9 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
             sample is a batch of its own, given alone (not in a list) to ``collate_fn``,
             whose default is then :func:`~aioloader.default_convert`. Excludes
             ``batch_sampler``, ``drop_last=True`` and ``last_batch`` other than ``"keep"``.
-        shuffle: reshuffle every epoch (``None``, torch's default, means ``False``); the order of epoch ``e`` is a pure function of
-            ``(seed, e, len(dataset))``. ``len(dataset)`` is read again as each epoch
-            begins, so a dataset that grew between epochs is seen whole by the next one.
+        shuffle: reshuffle every epoch (``None``, torch's default, is ``False``); epoch
+            ``e``'s order is a function of ``(seed, e, len(dataset))``, with the length read
+            as each epoch begins (a dataset that grew is seen whole by the next epoch).
         sampler: a re-iterable of indices (its ``set_epoch(e)`` is called before each
             epoch). Excludes ``shuffle=True``. With ``batch_size=None`` it may yield any
             key (a list of indices, say), passed to ``dataset[key]`` as torch passes it.
@@ -84,9 +84,8 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
         collate_fn: turns a list of samples into a batch; default
             :func:`~aioloader.default_collate`.
         num_workers: worker processes; ``0`` builds batches in one background thread;
-            ``"auto"``: as many as the CPUs this process may use (its affinity mask and
-            cgroup CPU quota, not ``os.cpu_count()``); ``stats().settings`` says what was
-            chosen and why. More than those CPUs warns (``UserWarning``), as torch does.
+            ``"auto"``: one per CPU this process may use (affinity mask and cgroup quota),
+            ``stats().settings`` says why; more warns (:class:`~aioloader.OversubscribedWarning`).
         prefetch: most batches submitted, running or waiting for the consumer at once
             (default ``2 * num_workers``, at least 2). ``"auto"`` starts there and grows, up
             to 8x, while batches are cheap (see ``batches_per_task``); ``stats().window``.
@@ -146,13 +145,11 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
             to spare the consumer's process a task's cost per batch. See :doc:`performance`.
 
     The positional parameters are torch's, in torch's order; aioloader's are keyword-only.
-    A batch that raises reaches the consumer as its exception, and the iterator goes on
-    (as torch's): ``next()`` again gives the next batch; a ``for`` loop ends there.
+    A failed batch raises; ``next()`` again gives the next one, as torch's; ``async for`` ends.
 
-    Each of torch's spellings that says the same as one of aioloader's (``prefetch`` and
-    ``prefetch_factor``, ``ordered`` and ``in_order``, ``mp_context`` and
-    ``multiprocessing_context``, ``seed`` and ``generator``) raises ``ValueError`` naming
-    both when both are given.
+    Two spellings of one setting (``prefetch``/``prefetch_factor``, ``ordered``/``in_order``,
+    ``mp_context``/``multiprocessing_context``, ``seed``/``generator``), both given, raise
+    ``ValueError`` naming both.
     """
 
     _kind = "DataLoader"
@@ -422,11 +419,10 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
             return p if self._pin is None else PinningPass(p, self._pin)
 
     def _run_config(self) -> RunConfig:
-        # fail_fast=False: a failed batch is delivered as its error and the run goes on
-        # (torch's way); a pool that cannot start ends it (torch's iterator dies then too).
-        return self._config(
-            ordered=self.ordered, fetch=self._fetch, group=self._group, fail_fast=False, fatal=(PoolBrokenError,)
-        )
+        # A failed batch is delivered as its error, and the run goes on (torch's way), but
+        # not past a pool that cannot start.
+        cfg = {"fail_fast": False, "fatal": (PoolBrokenError,)}
+        return self._config(ordered=self.ordered, fetch=self._fetch, group=self._group, **cfg)
 
     def _end_pass(self, p: EpochPass) -> bool:
         """Called when pass ``p`` ends: park its run if it went on into the epoch the
