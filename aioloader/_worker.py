@@ -389,9 +389,8 @@ def _build(ctx: WorkerContext, task: BatchTask) -> tuple[Any, tuple[tuple[int, s
     gaps: set[int] = set()  # positions of the skipped samples
     try:
         seed_raw, seed_indices = raw, indices
-        if type(raw) is list and not all(type(i) is int for i in raw):
-            # A sampler's own keys (batch_size=None, as torch allows): seeded by position.
-            seed_raw = seed_indices = [task.position]
+        if type(raw) is list:  # only a sampler's own keys (batch_size=None) come as a list
+            seed_raw = seed_indices = [task.position]  # seeded by the batch's position
         seeds = _seeding.start_batch(ctx.seed_samples, task.seed, task.epoch, seed_raw, seed_indices)
         hook = seeds.hook
         for k, i in enumerate(indices):  # runs for every sample: keep it lean

@@ -120,6 +120,11 @@ def _is_zombie(pid: int) -> bool:
         return True
 
 
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    return not _is_zombie(pid)
+
+
 def descendant_workers(root: int | None = None) -> set[int]:
     """Live processes below ``root``, looking *through* multiprocessing's helper
     processes (forkserver, resource tracker) but not counting them: they belong to the

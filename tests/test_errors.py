@@ -31,7 +31,15 @@ from ._datasets import (
     first_to_claim,
     wait_to_be_killed,
 )
-from .conftest import ctrl_c, descendant_workers, group_alive, shm_entries, wait_until, wait_until_async
+from .conftest import (
+    alive,
+    ctrl_c,
+    descendant_workers,
+    group_alive,
+    shm_entries,
+    wait_until,
+    wait_until_async,
+)
 
 WORKERS = [pytest.param(0, id="thread"), pytest.param(2, id="processes")]
 
@@ -625,7 +633,7 @@ def test_workers_exit_when_the_consumer_is_killed(tmp_path: Path) -> None:
         assert len(pids) == 2
         proc.kill()  # SIGKILL: no finalizer, no atexit in the consumer
         proc.wait()
-        wait_until(lambda: not any(_alive(p) for p in pids), 20.0, "orphaned workers to exit")
+        wait_until(lambda: not any(alive(p) for p in pids), 20.0, "orphaned workers to exit")
         # then the consumer's resource tracker exits on its own, unlinking its semaphores
         # (killing it instead would leave them in /dev/shm)
         wait_until(lambda: not group_alive(proc.pid), 20.0, "the dead consumer's helpers to exit")
@@ -634,14 +642,6 @@ def test_workers_exit_when_the_consumer_is_killed(tmp_path: Path) -> None:
             proc.kill()
             proc.wait()
         os.killpg(proc.pid, signal.SIGKILL) if group_alive(proc.pid) else None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 EXIT_SCRIPT = textwrap.dedent(

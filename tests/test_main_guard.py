@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import SHM_PREFIX, wait_until
+from .conftest import SHM_PREFIX, alive, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,14 +58,6 @@ def _run(tmp_path: Path, thread: bool, context: str, guard: bool) -> tuple[subpr
     return proc, [int(p) for p in marks.read_text().split()]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 @pytest.mark.parametrize("thread,context", CASES)
 def test_an_unguarded_script_gets_one_error_naming_the_guard(tmp_path: Path, thread: bool, context: str) -> None:
     proc, runs = _run(tmp_path, thread, context, guard=False)
@@ -79,7 +71,7 @@ def test_an_unguarded_script_gets_one_error_naming_the_guard(tmp_path: Path, thr
     assert "leaked" not in err and "Lost" not in err and "batches" not in proc.stdout, err
     # the consumer once, then each worker of the first generation at most once
     assert 1 < len(runs) <= 3, runs
-    wait_until(lambda: not any(_alive(p) for p in runs), 20.0, "the script's processes to exit")
+    wait_until(lambda: not any(alive(p) for p in runs), 20.0, "the script's processes to exit")
     left = [n for n in os.listdir("/dev/shm") if n.startswith(SHM_PREFIX) and any(f"_{p}_" in n for p in runs)]
     assert not left and not list((tmp_path / "tmp").iterdir()), (left, list((tmp_path / "tmp").iterdir()))
 

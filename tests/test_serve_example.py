@@ -29,31 +29,16 @@ def _last_json(text: str, key: str) -> dict[str, object]:
     raise AssertionError(f"no {key!r} summary in output:\n{text}")
 
 
-def test_serve_and_load_over_loopback() -> None:
-    requests, invalid = 300, 3
+def _serve_under_load(
+    script: str, server_args: list[str], load_args: list[str], *, interrupt: bool
+) -> tuple[dict[str, object], dict[str, object]]:
+    """Start ``examples/<script>`` on a free port, run serve_load.py against it, then
+    SIGINT it (``interrupt``) or wait for it to stop by itself. The load's summary and
+    the server's, once the server exited cleanly."""
     server = subprocess.Popen(
-        [
-            sys.executable,
-            str(EXAMPLES / "serve.py"),
-            "--port",
-            "0",
-            "--workers",
-            "2",
-            "--batch-size",
-            "8",
-            "--max-latency",
-            "0.005",
-            "--max-requests",
-            str(requests),
-            "--duration",
-            "60",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=_env(),
-        cwd=ROOT,
-    )
+        [sys.executable, str(EXAMPLES / script), "--port", "0", *server_args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT,
+    )  # fmt: skip
     try:
         assert server.stdout is not None
         first = server.stdout.readline()  # blocks until the server listens (test timeout bounds it)
@@ -62,44 +47,37 @@ def test_serve_and_load_over_loopback() -> None:
         )
         port = first.strip().rsplit(":", 1)[1]
         load = subprocess.run(
-            [
-                sys.executable,
-                str(EXAMPLES / "serve_load.py"),
-                "--port",
-                port,
-                "--requests",
-                str(requests),
-                "--concurrency",
-                "8",
-                "--size",
-                "96",
-                "--invalid",
-                str(invalid),
-                "--timeout",
-                "30",
-            ],
-            capture_output=True,
-            text=True,
-            env=_env(),
-            cwd=ROOT,
-            timeout=90,
-        )
+            [sys.executable, str(EXAMPLES / "serve_load.py"), "--port", port, *load_args, "--timeout", "30"],
+            capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=90,
+        )  # fmt: skip
         assert load.returncode == 0, load.stdout + load.stderr
-        summary = _last_json(load.stdout, "load")
-        assert summary["requests"] == requests and summary["wrong"] == []
-        assert float(summary["p50_ms"]) > 0 and float(summary["requests_per_s"]) > 0  # type: ignore[arg-type]
-        out, err = server.communicate(timeout=60)  # it stops by itself after --max-requests
+        if interrupt:
+            server.send_signal(2)  # SIGINT: the server stops cleanly and reports
+        out, err = server.communicate(timeout=60)
     finally:
         if server.poll() is None:
             server.kill()
             server.communicate()
     assert server.returncode == 0, err
-    stats = _last_json(out, "server")
+    assert "Traceback" not in err, err
+    return _last_json(load.stdout, "load"), _last_json(out, "server")
+
+
+def test_serve_and_load_over_loopback() -> None:
+    requests, invalid = 300, 3
+    summary, stats = _serve_under_load(
+        "serve.py",
+        ["--workers", "2", "--batch-size", "8", "--max-latency", "0.005", "--max-requests", str(requests),
+         "--duration", "60"],
+        ["--requests", str(requests), "--concurrency", "8", "--size", "96", "--invalid", str(invalid)],
+        interrupt=False,  # it stops by itself after --max-requests
+    )  # fmt: skip
+    assert summary["requests"] == requests and summary["wrong"] == []
+    assert float(summary["p50_ms"]) > 0 and float(summary["requests_per_s"]) > 0  # type: ignore[arg-type]
     assert stats["answered"] == requests and stats["failed"] == invalid
     assert stats["restarts"] == 0 and stats["overloaded"] == 0
     assert stats["completed"] == requests - invalid + 2  # the two warm-up images
     assert sum(int(k) * v for k, v in stats["batch_sizes"].items()) == requests + 2  # type: ignore[attr-defined]
-    assert "Traceback" not in err, err
 
 
 def test_overload_answers_503_at_once_and_nothing_wrong() -> None:
@@ -107,35 +85,17 @@ def test_overload_answers_503_at_once_and_nothing_wrong() -> None:
     admitted uploads are answered correctly, the rest get 503 (or 504 if one still ran
     late), counted the same on both sides."""
     requests = 200
-    server = subprocess.Popen(
-        [sys.executable, str(EXAMPLES / "serve.py"), "--port", "0", "--workers", "1", "--batch-size", "1",
-         "--max-pending", "2", "--deadline-ms", "200", "--max-requests", "1000000", "--duration", "60"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT,
+    summary, stats = _serve_under_load(
+        "serve.py",
+        ["--workers", "1", "--batch-size", "1", "--max-pending", "2", "--deadline-ms", "200",
+         "--max-requests", "1000000", "--duration", "60"],
+        ["--requests", str(requests), "--rate", "2000", "--size", "512"],
+        interrupt=True,
     )  # fmt: skip
-    try:
-        assert server.stdout is not None
-        first = server.stdout.readline()
-        assert first.startswith("listening on http://127.0.0.1:"), first
-        port = first.strip().rsplit(":", 1)[1]
-        load = subprocess.run(
-            [sys.executable, str(EXAMPLES / "serve_load.py"), "--port", port, "--requests", str(requests),
-             "--rate", "2000", "--size", "512", "--timeout", "30"],
-            capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=90,
-        )  # fmt: skip
-        assert load.returncode == 0, load.stdout + load.stderr
-        summary = _last_json(load.stdout, "load")
-        statuses = summary["statuses"]
-        assert isinstance(statuses, dict)
-        assert statuses.get("503", 0) > 0 and statuses.get("200", 0) > 0
-        assert sum(statuses.values()) == requests
-        server.send_signal(2)  # SIGINT: the server stops cleanly and reports
-        out, err = server.communicate(timeout=60)
-    finally:
-        if server.poll() is None:
-            server.kill()
-            server.communicate()
-    assert server.returncode == 0, err
-    stats = _last_json(out, "server")
+    statuses = summary["statuses"]
+    assert isinstance(statuses, dict)
+    assert statuses.get("503", 0) > 0 and statuses.get("200", 0) > 0
+    assert sum(statuses.values()) == requests
     assert stats["overloaded"] == statuses["503"] == stats["rejected"]
     assert stats["answered"] == statuses["200"]
     assert stats["late"] == statuses.get("504", 0) == stats["expired"]  # a deadline missed: 504
@@ -145,32 +105,13 @@ def test_fastapi_example_serves_the_load_and_stops_at_sigint() -> None:
     """examples/serve_fastapi.py (uvicorn) answers what serve.py answers, and SIGINT
     stops it cleanly with its summary."""
     requests, invalid = 200, 3
-    server = subprocess.Popen(
-        [sys.executable, str(EXAMPLES / "serve_fastapi.py"), "--port", "0", "--workers", "2", "--batch-size", "8"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT,
-    )  # fmt: skip
-    try:
-        assert server.stdout is not None
-        first = server.stdout.readline()
-        assert first.startswith("listening on http://127.0.0.1:"), first
-        port = first.strip().rsplit(":", 1)[1]
-        load = subprocess.run(
-            [sys.executable, str(EXAMPLES / "serve_load.py"), "--port", port, "--requests", str(requests),
-             "--concurrency", "8", "--size", "96", "--invalid", str(invalid), "--timeout", "30"],
-            capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=90,
-        )  # fmt: skip
-        assert load.returncode == 0, load.stdout + load.stderr
-        summary = _last_json(load.stdout, "load")
-        assert summary["requests"] == requests and summary["wrong"] == []
-        server.send_signal(2)  # SIGINT: uvicorn shuts down, the lifespan closes the Batcher
-        out, err = server.communicate(timeout=60)
-    finally:
-        if server.poll() is None:
-            server.kill()
-            server.communicate()
-    assert server.returncode == 0, err
-    stats = _last_json(out, "server")
+    summary, stats = _serve_under_load(
+        "serve_fastapi.py",
+        ["--workers", "2", "--batch-size", "8"],
+        ["--requests", str(requests), "--concurrency", "8", "--size", "96", "--invalid", str(invalid)],
+        interrupt=True,  # uvicorn shuts down, the lifespan closes the Batcher
+    )
+    assert summary["requests"] == requests and summary["wrong"] == []
     assert stats["answered"] == requests and stats["failed"] == invalid
     assert stats["completed"] == requests - invalid + 2  # the two warm-up images
     assert (stats["waiting"], stats["in_flight"], stats["restarts"]) == (0, 0, 0)
-    assert "Traceback" not in err, err

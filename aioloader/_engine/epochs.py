@@ -27,6 +27,8 @@ from .units import Delivery, Failed, add_context
 
 __all__ = ["Cursor", "EpochPass", "EpochSource", "EpochUnit", "Parked", "WorkerSide"]
 
+_KEYS = np.dtype(object)  # a sampler's own keys (batch_size=None), not indices
+
 _EMPTY = np.zeros(0, dtype=np.int64)
 
 
@@ -94,7 +96,7 @@ class EpochUnit:
         self.size = len(indices)
         # Raw int64 bytes pickle ~5x faster than a numpy array (this runs for every batch).
         # A sampler's own keys (batch_size=None) go as they are, in a list.
-        keyed = getattr(indices, "dtype", None) == np.dtype(object)
+        keyed = isinstance(indices, np.ndarray) and indices.dtype == _KEYS
         self._packed: Any = indices.tolist() if keyed else np.asarray(indices, dtype=np.int64).tobytes()
         self.values: list[Any] | None = None  # fetched samples (fetch=), kept for resubmissions
 
