@@ -79,19 +79,10 @@ class _SpawningProbe:
 def pickles_at_process_start(obj: object) -> None:
     """Pickle ``obj`` as multiprocessing will when a worker starts; raises what that
     would raise (a primitive of another start method, an unpicklable member)."""
-    from multiprocessing import context, reduction, synchronize
+    from multiprocessing import context, reduction
 
     class Probe(reduction.ForkingPickler):
-        def persistent_id(self, o: Any) -> None:
-            # A lock made for fork has no name (3.10 would pickle it, and the worker
-            # would crash using it; 3.11 and later refuse, with this message).
-            if (
-                isinstance(o, synchronize.SemLock)
-                and getattr(getattr(o, "_semlock", None), "name", "") is None
-            ):
-                raise RuntimeError(
-                    "A SemLock created in a fork context is being shared with a process in a spawn context"
-                )
+        pass
 
     previous = context.get_spawning_popen()
     context.set_spawning_popen(_SpawningProbe())  # type: ignore[arg-type]

@@ -11,7 +11,7 @@ in every worker, the body ran again and again, and semaphores leaked.
 So a pool about to start processes first looks for the main module's import on the
 stack. Found, this process is such a worker: it ends at once with :data:`EXIT_CODE`,
 before it makes anything, and prints nothing. The consumer sees that exit code among
-the dead workers of its first generation and raises :func:`error`, which names the
+the workers that die as they start and raises :func:`error`, which names the
 script, instead of retrying. A module-level loader that is only iterated under the
 guard is fine: nothing starts while the worker imports it.
 

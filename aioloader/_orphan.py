@@ -56,14 +56,21 @@ def wait_for_exit(pid: int) -> None:
 
 def exit_when_orphaned(consumer_pid: int) -> None:
     """Daemon thread of an owned worker: run the hooks and exit once the consumer is gone."""
-    global _orphaned
     wait_for_exit(consumer_pid)
+    _run_hooks()
+    os._exit(0)
+
+
+def _run_hooks() -> None:
+    global _orphaned
     with _orphan_lock:  # a hook registered from now on runs in its caller
+        if _orphaned:
+            return
         _orphaned = True
         hooks = list(_orphan_hooks)
+        _orphan_hooks.clear()
     for hook in hooks:
         try:
             hook()
         except Exception:  # best effort: the process is going away
             pass
-    os._exit(0)

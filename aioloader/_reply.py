@@ -1,109 +1,60 @@
-"""How a task's outcome travels back: small messages in the pipe, large ones beside it.
+"""How a task's outcome travels back to the consumer.
 
-Why: a ``ProcessPoolExecutor`` reads every result from one pipe shared by all workers.
-A worker killed half-way through writing a large result leaves half a message there;
-the executor's manager thread then waits for the rest forever, sees no worker death
-and no timeout, and blocks interpreter exit too. Linux writes of at most ``PIPE_BUF``
-(4,096) bytes to a pipe are atomic, so a channel whose messages are all smaller than
-that cannot be left half-written by a dying worker.
-
-So the pool runs every task through :class:`Entry`, which never raises and returns
-a reply small enough for one atomic write:
+The pool runs every task through :class:`Entry`, which never raises:
 
 * **in the consumer's own process** (threads): the :class:`Outcome` itself, nothing
   pickled;
-* **up to** :data:`INLINE_MAX` **bytes pickled**: the pickle, inline;
-* **larger**, from a worker of a process pool on the consumer's host (same
-  :func:`~aioloader._shm.host_key`, another pid): the pickle is *spilled* beside the
-  pipe, into the worker's ring (up to 256 KiB, :mod:`aioloader._spill`) or else a file,
-  and the reply names where. Out-of-band pickle buffers (numpy arrays)
-  are written straight from the arrays, and arrive as views of one buffer;
-* **larger, anywhere else** (a dask worker, or no room to spill): inline, as before.
+* **in an owned worker**: one frame of its channel (:mod:`aioloader._channel`), the
+  outcome pickled once, whatever its size (:func:`run_framed`);
+* **in a borrowed executor's process**: the pickle, inline (:class:`_Inline`), which
+  that executor carries home and which unpickles there as the :class:`Outcome`.
 
-Exceptions travel the same way (tracebacks can be large), ``BaseException`` included:
-the reply carries the exception and its formatted traceback, rebuilt in the consumer
-as the exception with a :class:`RemoteTraceback` as ``__cause__``. An exception that
-does not survive pickling arrives as :class:`~aioloader.RemoteError`.
-
-Spill files, and who frees them
--------------------------------
-Named ``aioloader_<consumer pid>_<worker pid>_spill<nonce>_<seq>``, in ``/dev/shm``
-when it has room for the file, else in the temporary directory, mode 0600, created
-with ``O_EXCL``.
-
-1. The consumer unlinks a spill file on arrival: the reply is unpickled by the
-   executor's result thread as soon as it is read, whether or not anyone still
-   awaits the task, and that unpickling reads the file and unlinks it.
-2. A worker killed after it created a spill file but before its reply was written
-   leaves the file behind: the pool removes every spill file of a dead worker once
-   that worker's generation is retired (nothing can read its replies any more), and
-   names of this consumer's dead workers older than a few seconds whenever it sweeps.
-3. A consumer that is killed: its workers (owned pools watch their consumer) unlink
-   the files they wrote last; names whose consumer and worker are both gone, owned
-   by this user and over a minute old, are removed by the next pool that starts.
-
-Arrival runs in the executor's result thread, where an exception would break the
-whole pool: it never raises; a failure becomes the task's exception.
+Exceptions travel the same way, ``BaseException`` included: the reply carries the
+exception and its formatted traceback, rebuilt in the consumer as the exception with a
+:class:`RemoteTraceback` as ``__cause__``. An exception that does not survive pickling
+arrives as :class:`~aioloader.RemoteError`. A value that does not pickle is named
+(the batch, the sample, the field) by :mod:`aioloader._culprit`.
 
 This module never imports asyncio.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import functools
-import io
-import itertools
 import os
 import pickle
-import secrets
-import struct
-import tempfile
 import threading
 import traceback
-from collections.abc import Callable, Iterable
-from multiprocessing.reduction import ForkingPickler
+from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
-from . import _culprit, _orphan, _spill
-from ._shm import PREFIX, SHM_DIR, host_key
-from .errors import RemoteError, SharedMemoryError, add_note
+from . import _culprit
+from ._channel import frame
+from ._shm import host_key
+from .errors import RemoteError, add_note
 
 __all__ = [
-    "INLINE_MAX",
     "Entry",
     "Failed",
     "Origin",
     "Outcome",
     "RemoteTraceback",
+    "arrived",
     "origin",
     "process_label",
-    "sweep_spills",
+    "run_framed",
     "travelling",
 ]
 
-#: Largest pickled outcome sent through the pipe from a worker that could spill: with
-#: the executor's own wrapping the message stays well under PIPE_BUF.
-INLINE_MAX = 3 * 1024
-ROOM_CHECK = 1 << 20  # spills this large look for room first (a write to tmpfs is all-or-error)
-
-# (consumer pid, consumer host key, directories a worker may spill into, in order).
-Origin = tuple[int, tuple[str, int, int, int], tuple[str, ...]]
+# (consumer pid, consumer host key).
+Origin = tuple[int, tuple[str, int, int, int]]
+# Set in an owned worker by aioloader._worker.worker_main: replies are channel frames.
+framed = False
 
 
-def spill_dirs() -> tuple[str, ...]:
-    """Where this consumer's workers put spill files, in order of preference (tests
-    replace this function)."""
-    return (SHM_DIR, tempfile.gettempdir())
-
-
-def origin(spill: bool) -> Origin:
-    """What a task must know about the consumer to choose how to reply; ``spill``:
-    its workers may spill (a process pool's result pipe, read as results arrive)."""
-    return (os.getpid(), host_key(), spill_dirs() if spill else ())
+def origin() -> Origin:
+    """What a task must know about the consumer to choose how to reply."""
+    return (os.getpid(), host_key())
 
 
 class RemoteTraceback(Exception):
@@ -136,6 +87,15 @@ class Outcome:
         raise self.value
 
 
+class Framed:
+    """A reply already pickled into a channel frame (an owned worker's :class:`Entry`)."""
+
+    __slots__ = ("view",)
+
+    def __init__(self, view: memoryview) -> None:
+        self.view = view
+
+
 class Entry:
     """The callable the pool submits: runs ``fn(task)`` and replies (see module doc).
 
@@ -152,7 +112,7 @@ class Entry:
         return (Entry, (self.fn, self.origin))
 
     def __call__(self, task: Any) -> Any:
-        consumer, host, dirs = self.origin
+        consumer, host = self.origin
         local = host == host_key()
         _running.consumer = consumer if local else 0
         try:
@@ -161,16 +121,48 @@ class Entry:
             value, ok = exc, False
         if local and consumer == os.getpid():
             return Outcome(ok, value)
-        dirs = dirs if local else ()
+        pack = _framed if framed else _inline
         try:
-            return _pack(ok, value, dirs, consumer)
+            return pack(ok, value)
         except BaseException as exc:
             # The failure path only: name the batch, the sample and the field that will not pickle.
             kept = _culprit.salvage(value if ok else None, task, exc, process_label())
             if kept is not None:  # a group, whose other batches still travel
                 with contextlib.suppress(Exception):
-                    return _pack(True, kept, dirs, consumer)
-            return _pack(False, exc, dirs, consumer)
+                    return pack(True, kept)
+            return pack(False, exc)
+
+
+def _framed(ok: bool, value: Any) -> Framed:
+    return Framed(frame((ok, value if ok else _portable(value))))
+
+
+def _inline(ok: bool, value: Any) -> _Inline:
+    return _Inline(ok, pickle.dumps(value if ok else _portable(value), pickle.HIGHEST_PROTOCOL))
+
+
+def run_framed(fn: Callable[..., Any], args: tuple[Any, ...]) -> memoryview:
+    """An owned worker runs each task of its channel through this: ``fn(*args)`` as a
+    reply frame, ``(ok, value)``. Never raises."""
+    try:
+        value, ok = fn(*args), True
+    except BaseException as exc:  # SystemExit too: it must not end the worker
+        value, ok = exc, False
+    if isinstance(value, Framed):
+        return value.view
+    try:
+        return frame((ok, value if ok else _portable(value)))
+    except BaseException as exc:  # the value does not pickle: its error travels instead
+        return frame((False, _portable(exc)))
+
+
+def arrived(data: Any) -> Outcome:
+    """A reply frame's body, in the consumer: the :class:`Outcome`. Never raises."""
+    try:
+        ok, obj = pickle.loads(data)
+        return _outcome(ok, obj)
+    except BaseException as exc:
+        return _unreadable(exc, "")
 
 
 _note = add_note
@@ -240,23 +232,6 @@ def _remote(exc: BaseException, tb: str, why: str) -> RemoteError:
     return err
 
 
-def _dumps(obj: Any, buffers: list[pickle.PickleBuffer] | None) -> bytes:
-    """Pickle ``obj``; with ``buffers``, numpy buffers too large to be inline anyway go
-    out of band into it (smaller ones stay in the stream, so a small batch is pickled
-    once, and any out-of-band buffer means a spill)."""
-    buf = io.BytesIO()
-    callback = None if buffers is None else functools.partial(_out_of_band, buffers)
-    ForkingPickler(buf, 5, True, callback).dump(obj)  # its __init__ takes positional arguments only
-    return buf.getvalue()
-
-
-def _out_of_band(buffers: list[pickle.PickleBuffer], b: pickle.PickleBuffer) -> bool:
-    if b.raw().nbytes <= INLINE_MAX:
-        return True  # in band
-    buffers.append(b)
-    return False
-
-
 class _Inline:
     """A reply pickled in full; unpickles as its :class:`Outcome`."""
 
@@ -270,107 +245,6 @@ class _Inline:
         return (_unpack_inline, (self.ok, self.data))
 
 
-class _Ringed:
-    """A reply whose pickle lies in its worker's ring; unpickles (copying it out, which
-    frees its space) as its :class:`Outcome`."""
-
-    __slots__ = ("need", "ok", "path", "pid", "pos")
-
-    def __init__(self, ok: bool, path: str, pos: int, need: int) -> None:
-        self.ok, self.path, self.pos, self.need = ok, path, pos, need
-        self.pid = os.getpid()
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_unpack_ringed, (self.ok, self.path, self.pos, self.need, self.pid))
-
-
-class _Spilled:
-    """A reply whose pickle lies in a file; unpickles (reading and unlinking the file)
-    as its :class:`Outcome`."""
-
-    __slots__ = ("ok", "path", "pid")
-
-    def __init__(self, ok: bool, path: str) -> None:
-        self.ok = ok
-        self.path = path
-        self.pid = os.getpid()
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_unpack_spilled, (self.ok, self.path, self.pid))
-
-
-def _pack(ok: bool, value: Any, dirs: tuple[str, ...], consumer: int) -> _Inline | _Spilled | _Ringed:
-    obj = value if ok else _portable(value)
-    buffers: list[pickle.PickleBuffer] = []
-    head = _dumps(obj, buffers)
-    size = len(head) + sum(b.raw().nbytes for b in buffers)
-    if size > INLINE_MAX and dirs:
-        spilled = _spill_out(ok, head, buffers, dirs, consumer)
-        if spilled is not None:
-            return spilled
-    # Out-of-band buffers come only with outcomes over INLINE_MAX: here they mean that no
-    # spill directory had room, and the outcome goes through the pipe as before.
-    return _Inline(ok, _dumps(obj, None) if buffers else head)
-
-
-# ----------------------------------------------------------------------- worker: spilling
-_prefixes: dict[tuple[int, int], str] = {}  # (consumer, worker pid) -> name prefix
-_seq = itertools.count()
-_written: collections.deque[str] = collections.deque(maxlen=8)  # removed if the consumer dies
-
-
-def _spill_out(
-    ok: bool, head: bytes, buffers: list[pickle.PickleBuffer], dirs: tuple[str, ...], consumer: int
-) -> _Spilled | _Ringed | None:
-    """Put the pickle and its buffers in this worker's ring (:mod:`aioloader._spill`)
-    or else in a new file in the first of ``dirs`` with room for it; ``None`` if none has."""
-    parts: list[Any] = [head, *(b.raw() for b in buffers)]
-    sizes = [memoryview(p).nbytes for p in parts]
-    table = struct.pack(f"<{len(parts) + 1}q", len(parts), *sizes)
-    parts.insert(0, table)
-    sizes.insert(0, len(table))
-    need = sum(map(_spill.aligned, sizes))
-    prefix = _name_prefix(consumer)
-    ringed = _spill.put(dirs[0], prefix, parts, sizes, need)
-    if ringed is not None:
-        return _Ringed(ok, *ringed, need)
-    name = f"{prefix}{next(_seq)}"
-    for directory in dirs:
-        if need >= ROOM_CHECK:  # a smaller write that finds no room fails with ENOSPC
-            with contextlib.suppress(OSError):
-                st = os.statvfs(directory)
-                if st.f_bavail * st.f_frsize < need:
-                    continue
-        path = os.path.join(directory, name)
-        try:
-            _spill.write(path, parts)
-        except OSError:
-            continue
-        _written.append(path)
-        return _Spilled(ok, path)
-    return None
-
-
-def _name_prefix(consumer: int) -> str:
-    """``<prefix><consumer>_<worker>_spill<nonce>_``: what this worker's spill files and
-    ring are named after (made once per worker and consumer)."""
-    key = (consumer, os.getpid())
-    prefix = _prefixes.get(key)
-    if prefix is None:
-        if not _prefixes:
-            _orphan.on_orphaned(_remove_written)
-        nonce = secrets.token_hex(4)
-        prefix = _prefixes[key] = f"{PREFIX}{consumer}_{os.getpid()}_{_spill.SPILL_TAG}{nonce}_"
-    return prefix
-
-
-def _remove_written() -> None:
-    for path in list(_written):
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-
-
-# ---------------------------------------------------------------------- consumer: arrival
 def _outcome(ok: bool, obj: Any) -> Outcome:
     if ok:
         return Outcome(True, obj)
@@ -389,58 +263,3 @@ def _unpack_inline(ok: bool, data: bytes) -> Outcome:
 def _unreadable(exc: BaseException, where: str) -> Outcome:
     _note(exc, f"aioloader: raised while unpickling a task's result{where} in the consumer")
     return Outcome(False, exc)
-
-
-def _unpack_spilled(ok: bool, path: str, pid: int) -> Outcome:
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
-    except OSError as exc:
-        return Outcome(False, SharedMemoryError(f"the result worker pid {pid} left in {path} is gone: {exc}"))
-    try:
-        os.unlink(path)
-        data = np.empty(os.fstat(fd).st_size, dtype=np.uint8)
-        view = data.data
-        done = 0
-        while done < view.nbytes:
-            n = os.readv(fd, [view[done:]])
-            if n == 0:
-                raise EOFError(f"{path} ends after {done} of {view.nbytes} bytes")
-            done += n
-    except BaseException as exc:
-        return Outcome(
-            False, SharedMemoryError(f"cannot read the result worker pid {pid} left in {path}: {exc}")
-        )
-    finally:
-        os.close(fd)
-    return _load(ok, view, pid)
-
-
-def _unpack_ringed(ok: bool, path: str, pos: int, need: int, pid: int) -> Outcome:
-    try:
-        data = _spill.copy_out(path, pos, need, pid)
-    except (OSError, ValueError) as exc:
-        return Outcome(
-            False, SharedMemoryError(f"cannot read the result worker pid {pid} left in {path}: {exc}")
-        )
-    return _load(ok, data.data, pid)
-
-
-def _load(ok: bool, view: memoryview, pid: int) -> Outcome:
-    """Unpickle a spilled reply: its table of part sizes, then its parts (64-byte aligned)."""
-    try:
-        (count,) = struct.unpack_from("<q", view)
-        sizes = struct.unpack_from(f"<{count}q", view, 8)
-        parts = []
-        off = _spill.aligned(8 * (count + 1))
-        for n in sizes:
-            parts.append(view[off : off + n])
-            off += _spill.aligned(n)
-        return _outcome(ok, pickle.loads(parts[0], buffers=parts[1:]))
-    except BaseException as exc:
-        return _unreadable(exc, f" from worker pid {pid}")
-
-
-def sweep_spills(dead: Iterable[int] = ()) -> int:
-    """Remove spill files nobody will read (see :func:`aioloader._spill.sweep`); returns
-    how many."""
-    return _spill.sweep(spill_dirs(), dead)

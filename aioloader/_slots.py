@@ -1,34 +1,33 @@
-"""The slot table: which worker holds which task, and since when.
+"""The slot table: which task each owned worker holds, and since when.
 
 Crash attribution and timeouts need it. Each worker of an owned process pool claims one
-row of a small shared int64 table: ``pid, phase, task_id, start_ns``. The phase goes
-``STARTING`` (the initializer runs) → ``READY`` → for each task ``ACCEPTED`` (received,
-setting up) → ``RUNNING`` (building; ``start_ns`` set) → ``HOLDING`` (the outcome is on
-its way back; the task id stays until the next task). So a worker that died holding a
-task names it; one that died ``READY``, or ``HOLDING`` a task already delivered, was
-idle; one that died ``STARTING`` (or before it claimed a row) never finished starting.
+row of a small shared int64 table: ``pid, phase, seq, start_ns``. ``seq`` numbers the
+tasks of the worker's channel (0, 1, ...). The phase goes ``STARTING`` → ``READY`` →
+for each task ``ACCEPTED`` (received, setting up) → ``RUNNING`` (building; ``start_ns``
+set) → ``HOLDING`` (the reply is on its way). So a worker that died holding a task
+names it; one that died ``READY`` held none; one that died ``STARTING`` never finished
+starting.
 
 Where there is no table (the loader's own thread, a borrowed executor), the marks go to
-:data:`local_starts` of the process that runs the task.
+:data:`local_starts` of the process that runs the task, by task id.
 
-Also here, for the consumer: what the pool concludes from the table when a generation
-breaks (:class:`CrashInfo`), and how an exit code reads in a message.
+Also here, for the consumer: how an exit code reads in a message.
 
 Worker side: never imports asyncio.
 """
 
 from __future__ import annotations
 
+import mmap
 import signal
-from dataclasses import dataclass, field
+from multiprocessing import reduction
 from typing import Any
 
 import numpy as np
 
-__all__ = ["CrashInfo", "Rows", "Slots", "claim", "describe_exit", "local_starts", "mark", "torch_crash_words"]
-
-Rows = dict[int, tuple[int, int, int]]  # pid -> (phase, task_id, start_ns)
-
+__all__ = [
+    "SharedTable", "Slots", "accepted", "claim", "describe_exit", "holding", "local_starts", "mark", "torch_crash_words",
+]  # fmt: skip
 
 def describe_exit(code: int | None) -> str:
     """An exit code for a message: ``-9, killed by SIGKILL``."""
@@ -55,16 +54,6 @@ def torch_crash_words(pid: int | None, code: int | None) -> str:
     return f"{who} exited unexpectedly with exit code {describe_exit(code)}."
 
 
-@dataclass
-class CrashInfo:
-    """How a generation ended, as far as its tasks are concerned (the pool's verdict)."""
-
-    charged: dict[int, int | None]  # task id -> exit code of the worker that died holding it
-    startup: bool = False  # no worker of the generation ever became ready
-    fatal: Exception | None = None  # raised to every task that asks
-    pids: dict[int, int] = field(default_factory=dict)  # task id -> pid of the worker that died holding it
-
-
 class Slots:
     """One row per worker of an owned process pool: ``pid, phase, task_id, start_ns``."""
 
@@ -74,16 +63,30 @@ class Slots:
     def __init__(self, raw: Any) -> None:
         self.rows = np.frombuffer(raw, dtype=np.int64).reshape(-1, self.WIDTH)
 
-    def snapshot(self) -> Rows:
-        """pid -> (phase, task_id, start_ns) of every claimed row, as of now."""
-        return {int(r[0]): (int(r[1]), int(r[2]), int(r[3])) for r in self.rows.copy() if r[0] > 0}
+    def row(self, slot: int) -> tuple[int, int, int, int]:
+        """``(pid, phase, seq, start_ns)`` of row ``slot``, as of now."""
+        r = self.rows[slot].copy()
+        return int(r[0]), int(r[1]), int(r[2]), int(r[3])
 
-    def running(self, task_id: int) -> tuple[int, int] | None:
-        """(pid, start_ns) of the worker building ``task_id``, or ``None``."""
-        for pid, (phase, tid, start) in self.snapshot().items():
-            if tid == task_id and phase == self.RUNNING:
-                return pid, start
-        return None
+
+class SharedTable:
+    """A pool's slot table as a ``multiprocessing`` process argument: the descriptor of
+    its memfd, duplicated into the child as it starts (``reduction.DupFd``), mapped
+    there. A forked child inherits the descriptor itself."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        self.fd = fd
+        self.size = size
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_reopen, (reduction.DupFd(self.fd), self.size))
+
+    def buffer(self) -> mmap.mmap:
+        return mmap.mmap(self.fd, self.size)
+
+
+def _reopen(dup: Any, size: int) -> SharedTable:
+    return SharedTable(dup.detach(), size)
 
 
 _row: Any = None  # this worker's row of its pool's table
@@ -93,14 +96,31 @@ local_starts: dict[int, int] = {}  # task_id -> start_ns, for tasks run without 
 def claim(table: Any, slot: int, pid: int) -> None:
     """Take row ``slot`` of ``table`` for this worker (phase ``STARTING``)."""
     global _row
+    if isinstance(table, SharedTable):
+        table = table.buffer()
     _row = Slots(table).rows[slot]
     _row[2] = -1
     _row[1] = Slots.STARTING
     _row[0] = pid
 
 
+def accepted(seq: int) -> None:
+    """An owned worker took task ``seq`` of its channel (0, 1, ...) and sets it up."""
+    row = _row
+    row[3] = 0
+    row[2] = seq
+    row[1] = Slots.ACCEPTED
+
+
+def holding() -> None:
+    """An owned worker's task is done: its reply is on the way (the number stays)."""
+    _row[1] = Slots.HOLDING
+
+
 def mark(phase: int, task_id: int = -1, start: int = 0) -> None:
-    """Record this worker's phase (see the module docstring)."""
+    """Record this worker's phase (see the module docstring). In an owned worker the
+    channel's loop marks ``ACCEPTED`` and ``HOLDING`` (:func:`accepted`,
+    :func:`holding`): here only ``RUNNING`` and ``READY`` count."""
     row = _row
     if row is None:
         if phase == Slots.RUNNING:
@@ -108,9 +128,8 @@ def mark(phase: int, task_id: int = -1, start: int = 0) -> None:
         elif phase == Slots.HOLDING:
             local_starts.pop(task_id, None)
         return
-    if phase == Slots.ACCEPTED:
-        row[3] = 0
-        row[2] = task_id
-    elif phase == Slots.RUNNING:
+    if phase == Slots.RUNNING:
         row[3] = start
-    row[1] = phase
+        row[1] = phase
+    elif phase == Slots.READY:
+        row[1] = phase

@@ -22,9 +22,9 @@ This module never imports asyncio.
 
 from __future__ import annotations
 
-import contextlib
-import multiprocessing
+import itertools
 import os
+import pickle
 import random
 import signal
 import sys
@@ -37,29 +37,25 @@ from typing import Any, Literal, NamedTuple, TypeVar
 
 import numpy as np
 
-from . import _byvalue, _lane_wire, _orphan, _reply, _seeding, _slots, _unpicklable, _worker_info
+from . import _byvalue, _channel, _orphan, _reply, _seeding, _slots, _unpicklable, _worker_info
 from ._slots import Slots
 from .errors import CollateError, DatasetPickleError, add_note
 
 __all__ = [
     "NEED_PAYLOAD",
-    "SLOT_ATTR",
     "BatchResult",
     "BatchTask",
     "GroupResult",
     "GroupTask",
     "WorkerContext",
     "install_context",
-    "pool_initializer",
     "run_batch",
     "run_group",
     "run_task",
+    "worker_main",
 ]
 
 NEED_PAYLOAD = "__aioloader_need_payload__"
-# The attribute of an owned pool's worker process object that holds its number in its
-# generation: its row of the slot table, its lane and its worker id.
-SLOT_ATTR = "_aioloader_slot"
 R = TypeVar("R")
 
 
@@ -198,42 +194,44 @@ def _run_init(ctx: WorkerContext) -> None:
         ctx.init_error = exc
 
 
-def pool_initializer(
-    payloads: dict[str, bytes | _byvalue.Inherited],
+def worker_main(
+    channel: Any,
+    slot: int,
     table: Any,
-    max_slots: int,
-    consumer_pid: int = 0,
-    lanes: tuple[tuple[str, str], ...] | None = None,
-    origin: Any = None,
+    num_workers: int,
+    consumer_pid: int,
+    payloads: dict[str, bytes | _byvalue.Inherited] | None,
 ) -> None:
-    """Initializer of an owned process pool: one call per worker process.
+    """An owned worker's life: start, then serve its channel until the pool stops it.
 
-    Never raises: an initializer that raises kills its worker, which the pool could only
-    restart for ever, while the user saw "lost to a dying worker". A payload that cannot
-    be loaded fails the tasks of its loader; anything else fails every task of this
-    worker, each time with the worker's own exception.
+    ``channel`` is the worker's end of its channel (a descriptor, or a
+    ``multiprocessing`` connection where multiprocessing started the process);
+    ``payloads`` its loaders' payloads, or ``None`` when they come as the channel's
+    first frame (a worker forked by the pool's own fork server).
 
-    With ``lanes`` (one FIFO pair per worker, :mod:`aioloader._lanes`), the worker then
-    serves the lane of its slot until the consumer stops it, and only then takes the
-    executor's own tasks (its shutdown)."""
+    Starting never raises: a payload that cannot be loaded fails the tasks of its
+    loader; anything else fails every task of this worker, each time with the worker's
+    own exception (a worker that died here would only be started again, for ever)."""
     global _startup_error
-    slot = -1
+    fd = channel if isinstance(channel, int) else channel.fileno()
     # Ctrl-C reaches the whole process group; only the consumer should react to it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _reply.framed = True
+    _slots.claim(table, slot, os.getpid())
+    _worker_info.worker_id, _worker_info.num_workers = slot, num_workers
+    watch = None
     try:
-        if consumer_pid:
-            threading.Thread(
-                target=_orphan.exit_when_orphaned,
-                args=(consumer_pid,),
-                name="aioloader-orphan-watch",
-                daemon=True,
-            ).start()
-        if table is not None:
-            # Numbered by the consumer as it made this process (_generation._Numbered).
-            slot = getattr(multiprocessing.current_process(), SLOT_ATTR, -1)
-            _worker_info.worker_id, _worker_info.num_workers = slot, max_slots
-            if 0 <= slot < max_slots:  # always, with a fixed-size pool
-                _slots.claim(table, slot, os.getpid())
+        watch = threading.Thread(
+            target=_orphan.exit_when_orphaned, args=(consumer_pid,), name="aioloader-orphan-watch", daemon=True
+        )
+        watch.start()
+        if payloads is None:
+            head = _channel.read_exact(fd, _channel.HEAD.size)
+            body = _channel.read_exact(fd, _channel.HEAD.unpack(head)[0]) if head is not None else None
+            if body is None:
+                return  # the consumer is gone before this worker started
+            payloads = pickle.loads(body)
+            del body
         for token, payload in payloads.items():
             try:
                 ctx = _load_payload(token, payload)
@@ -241,14 +239,24 @@ def pool_initializer(
                 _load_errors[token] = exc.__cause__ or exc
                 continue
             _run_init(ctx)
+        del payloads
     except BaseException as exc:
         add_note(exc, f"aioloader: raised while worker pid {os.getpid()} was starting")
         _startup_error = exc
     _slots.mark(Slots.READY)
-    if lanes is not None and 0 <= slot < len(lanes):
-        # Should its lane fail, the worker goes on to the executor's task, which breaks the lanes.
-        with contextlib.suppress(BaseException):
-            _lane_wire.serve(*lanes[slot], origin)
+    seqs = itertools.count()
+
+    def run(fn: Callable[..., Any], args: tuple[Any, ...]) -> memoryview:
+        _slots.accepted(next(seqs))
+        try:
+            return _reply.run_framed(fn, args)
+        finally:
+            _slots.holding()
+
+    if not _channel.serve(fd, run) and watch is not None:
+        # The consumer's end closed: it is gone, or going. Its watch frees what the
+        # consumer would have freed, and ends this process.
+        watch.join(5.0)
 
 
 _SEEDED_BATCH_LOCK = threading.RLock()
@@ -435,10 +443,3 @@ def _build(ctx: WorkerContext, task: BatchTask) -> tuple[Any, tuple[tuple[int, s
         add_note(exc, f"aioloader: raised by collate_fn in {_where(task)}, sample indices {kept}{named}")
         raise
     return batch, tuple(skipped)
-
-
-def noop() -> int:
-    """An executor task that does nothing. Without lanes, one per worker starts the
-    executor's manager thread; with lanes, one stands watch: no serving worker runs it,
-    so it ends only with the lanes or when the executor breaks."""
-    return os.getpid()

@@ -22,13 +22,10 @@ SHM_PREFIX = "aioloader_"
 # The Python on which CI installs torch (the one torch build on the machine's disk): there a
 # missing torch is a broken environment, not a reason to skip.
 TORCH_REQUIRED_ON = (3, 11)
-# A forkserver that aioloader forked from its consumer has the consumer's command line
-# and is told apart by its process name (``aioloader._forkserver.PROCESS_NAME``); so is
-# the resource tracker that server forks (``TRACKER_NAME``).
-TRACKER_MARKERS = ("resource_tracker", "semaphore_tracker", "aioloader-trk")
-# aioloader-spare: the worker a forked forkserver keeps ready for its first request
-# (the server's until a pool takes it; then it is named aioloader-work).
-HELPER_MARKERS = ("forkserver", "aioloader-fsrv", "aioloader-spare", *TRACKER_MARKERS)
+# The pool's zygote (its fork server, forked from the consumer) has the consumer's
+# command line and is told apart by its process name (``aioloader._pool.zygote.ZYGOTE_NAME``).
+TRACKER_MARKERS = ("resource_tracker", "semaphore_tracker")
+HELPER_MARKERS = ("forkserver", "aioloader-zyg", *TRACKER_MARKERS)
 
 
 def _children(pid: int) -> list[int]:

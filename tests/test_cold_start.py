@@ -41,7 +41,7 @@ import asyncio, json, os, sys, threading
 print("before the loader")  # buffered: a fork that copied the buffer would print it twice
 import probe
 import aioloader
-from aioloader import _forkserver
+from aioloader._pool import zygote as _forkserver
 
 def comm(pid):
     with open(f"/proc/{pid}/comm") as f:
@@ -51,8 +51,13 @@ def cmdline(pid):
     with open(f"/proc/{pid}/cmdline", "rb") as f:
         return f.read().replace(b"\\0", b" ").decode()
 
+def mp_forkserver():
+    for kid in open(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read().split():
+        if "multiprocessing.forkserver" in cmdline(int(kid)):
+            return int(kid)
+
 def report(loader, batches):
-    server = _forkserver.server_pid()
+    server = _forkserver.server_pid() or mp_forkserver()
     return {
         "batches": batches,
         "consumer": os.getpid(),
@@ -110,7 +115,7 @@ def _consume(tmp_path: Path, face: str, mode: str, env: dict[str, str] | None = 
 def test_workers_start_from_a_copy_of_the_consumer_and_import_nothing_again(tmp_path: Path, face: str) -> None:
     out, importers, stdout = _consume(tmp_path, face, "alone")
     assert out["batches"] == EXPECTED
-    assert out["server_comm"] == "aioloader-fsrv"
+    assert out["server_comm"] == "aioloader-zyg"
     assert "forkserver" not in out["server_cmdline"]  # the consumer's own command line
     assert out["worker_comms"] == ["aioloader-work", "aioloader-work"]
     # The dataset module was imported once, by the consumer: neither the forkserver nor
@@ -132,7 +137,7 @@ def test_the_forkserver_is_spawned_when_forking_is_not_safe_or_not_wanted(
 ) -> None:
     out, importers, stdout = _consume(tmp_path, "for", mode, env)
     assert out["batches"] == EXPECTED
-    assert out["server_comm"] != "aioloader-fsrv"
+    assert out["server_comm"] != "aioloader-zyg"
     assert "multiprocessing.forkserver" in out["server_cmdline"]
     # Fresh interpreters imported the dataset's module again (here, each worker).
     assert importers[0] == out["consumer"] and len(importers) > 1
@@ -241,149 +246,16 @@ def _run(tmp_path: Path, script: str, *args: str) -> subprocess.CompletedProcess
     )
 
 
-# The resource tracker that the forked forkserver forks (instead of a new interpreter):
-# it must be the consumer's tracker in every respect that matters, above all cleaning up
-# what a consumer that died left registered. The consumer here registers a shared-memory
-# segment it never unlinks, then exits at once (no atexit, no finalizers).
-TRACKER = '''
-import json, os, sys, time
-from multiprocessing import resource_tracker, shared_memory
-import aioloader
-from aioloader import _forkserver
-
-{helpers}if __name__ == "__main__":
-    loader = aioloader.DataLoader(list(range(16)), 4, num_workers=2)
-    if sys.argv[2] != "after-its-batches":
-        # The server forks its tracker once no request has come for 0.1 s, or as it ends:
-        # a consumer that asks for no worker must be cleaned up after all the same,
-        # whether it dies at once or lives on idle.
-        server = _forkserver.server_pid()
-        if sys.argv[2] == "idle":
-            poll(lambda: any(comm(k) == "aioloader-trk" for k in children(server)), "the tracker")
-        leak = shared_memory.SharedMemory(name=sys.argv[1], create=True, size=4096)
-        os._exit(0)
-    batches = [b.tolist() for b in loader]
-    server = _forkserver.server_pid()
-    trackers = poll(lambda: [k for k in children(server) if comm(k) == "aioloader-trk"],
-                    "the tracker, forked 0.1 s after the last request")
-    with open(f"/proc/{trackers[0]}/cmdline", "rb") as f:
-        cmdline = f.read().replace(b"\\0", b" ").decode()
-    leak = shared_memory.SharedMemory(name=sys.argv[1], create=True, size=4096)
-    loader.close()
-    tracker_fds = os.listdir(f"/proc/{trackers[0]}/fd")
-    pipes = lambda pid: {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
-    tracker_pipes = {p for p in pipes(trackers[0]) if p.startswith("pipe:")}
-    held_by_workers = sorted(p for w in loader.worker_pids() for p in pipes(w) & tracker_pipes)
-    print(json.dumps({"batches": batches, "trackers": trackers, "cmdline": cmdline, "tracker_fds": tracker_fds,
-                      "held_by_workers": held_by_workers,
-                      "fd": resource_tracker._resource_tracker._fd is not None}), flush=True)
-    os._exit(0)
-'''
-
-
-@pytest.mark.parametrize("when", ["after-its-batches", "before-any-worker", "idle"])
-def test_the_forked_forkserver_forks_the_resource_tracker_which_cleans_up_after_a_dead_consumer(
-    tmp_path: Path, when: str
-) -> None:
-    name = f"aioloader_test_tracker_{os.getpid()}"
-    proc = _run(tmp_path, TRACKER, name, when)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    # The consumer died without removing its temporary folder (the server's socket in
-    # it): the server, which outlives it, removes both as it ends.
-    wait_until(lambda: not list(_tmpdir(tmp_path).iterdir()), 30.0, "the dead consumer's server folder to go")
-    if when != "after-its-batches":
-        assert not os.path.exists(f"/dev/shm/{name}")
-        assert "leaked shared_memory" in proc.stderr
-        return
-    out = json.loads(proc.stdout.splitlines()[-1])
-    assert out["batches"] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
-    assert len(out["trackers"]) == 1 and out["fd"]
-    assert "resource_tracker" not in out["cmdline"]  # a fork of the consumer, not a new interpreter
-    # Its pipe and stdio only: forked from inside the server's loop, it holds none of the
-    # server's fds (a copy of a worker's status pipe would hide that worker's end).
-    assert len(out["tracker_fds"]) <= 4, out["tracker_fds"]
-    # Forked after the workers, its read end is in none of them (a worker holding it would
-    # keep a dead tracker looking alive to the consumer's probe, which would then block).
-    assert out["held_by_workers"] == []
-    # It saw the segment registered, and unlinked it once every holder of its pipe was gone.
-    assert not os.path.exists(f"/dev/shm/{name}")
-    assert "leaked shared_memory" in proc.stderr
-    wait_until(
-        lambda: not os.path.exists(f"/proc/{out['trackers'][0]}") or _is_zombie(out["trackers"][0]),
-        30.0,
-        "the forked resource tracker to exit",
-    )
-
-
-# The spare worker: the forked forkserver forks one worker before any request, and answers
-# the first request with it (no fork on the way to the first batch). The consumer finds it
-# by name among the server's children, before its first batch.
-SPARE = '''
-import json, os, signal, sys, time
-import aioloader
-from aioloader import _forkserver
-
-{helpers}def note_exit(worker_id):
-    from multiprocessing import util
-    util.Finalize(None, open, (os.path.join(sys.argv[2], str(os.getpid())), "w"), exitpriority=10)
-
-if __name__ == "__main__":
-    # A command-line tool's setting: the server inherits it (a write to a dead spare
-    # would then kill the server, not raise).
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-    loader = aioloader.DataLoader(list(range(16)), 4, num_workers=2, worker_init_fn=note_exit)
-    server = _forkserver.server_pid()
-    spares = poll(lambda: [k for k in children(server) if comm(k) == "aioloader-spare"],
-                  "the spare, which the server forks as it starts")
-    out = {"server": server, "spares": spares}
-    if sys.argv[1] == "killed":
-        os.kill(spares[0], signal.SIGKILL)
-        poll(lambda: not os.path.exists(f"/proc/{spares[0]}"), "the server to reap the killed spare")
-    if sys.argv[1] != "unused":
-        out["batches"] = [b.tolist() for b in loader]
-        out["workers"] = loader.worker_pids()
-        out["worker_comms"] = sorted(comm(p) for p in out["workers"])
-        loader.close()
-    print(json.dumps(out), flush=True)
-'''
-
-
-def _run_spare(tmp_path: Path, mode: str) -> tuple[dict, str]:
-    proc = _run(tmp_path, SPARE, mode, str(tmp_path))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.splitlines()[-1]), proc.stderr
-
-
 def _gone(pid: int) -> bool:
     return not os.path.exists(f"/proc/{pid}") or _is_zombie(pid)
 
 
-@pytest.mark.parametrize("mode", ["used", "killed", "unused"])
-def test_the_first_worker_is_the_spare_forked_before_any_request_and_none_is_left(tmp_path: Path, mode: str) -> None:
-    out, stderr = _run_spare(tmp_path, mode)
-    assert len(out["spares"]) == 1  # forked before the first iteration asked for a worker
-    spare = out["spares"][0]
-    if mode != "unused":
-        assert out["batches"] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
-        assert out["worker_comms"] == ["aioloader-work", "aioloader-work"]
-        # Used, the spare is one of the two workers; killed before that, both are forks.
-        assert (spare in out["workers"]) == (mode == "used")
-        # Each worker ran multiprocessing's exit function (its finalizers) as it ended.
-        for pid in out["workers"]:
-            wait_until(lambda pid=pid: (tmp_path / str(pid)).exists(), 30.0, f"worker {pid}'s finalizer")
-    assert "unexpected pid" not in stderr and "Traceback" not in stderr
-    # Whatever became of it, nothing outlives the consumer: the spare ends with its server.
-    for pid in (spare, out["server"]):
-        wait_until(lambda pid=pid: _gone(pid), 30.0, f"process {pid} to exit with its consumer")
-
-
 # A supervisor that stops a job (systemd, Slurm) sends SIGTERM to every process of it:
-# the consumer, its workers and the forked server all end, and the server removes the
-# folder of its socket as it goes.
+# the consumer, its workers and the zygote all end, and leave nothing behind.
 SIGTERMED = '''
 import sys
 import aioloader
-from aioloader import _forkserver
+from aioloader._pool import zygote as _forkserver
 
 if __name__ == "__main__":
     loader = aioloader.DataLoader(list(range(16)), 4, num_workers=2)
@@ -393,7 +265,8 @@ if __name__ == "__main__":
 '''
 
 
-def test_a_server_stopped_with_its_process_group_by_sigterm_removes_its_folder(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_a_process_group_stopped_by_a_signal_leaves_nothing(tmp_path: Path, sig: int) -> None:
     script = tmp_path / "consumer_script.py"
     script.write_text(SIGTERMED)
     proc = subprocess.Popen(
@@ -406,18 +279,17 @@ def test_a_server_stopped_with_its_process_group_by_sigterm_removes_its_folder(t
         assert proc.stdout is not None
         server, *workers = map(int, proc.stdout.readline().split())  # the test's timeout bounds the wait
         with open(f"/proc/{server}/comm") as f:
-            assert f.read().strip() == "aioloader-fsrv"
+            assert f.read().strip() == "aioloader-zyg"
         assert len(workers) == 2
-        assert [p.name[:15] for p in _tmpdir(tmp_path).iterdir()] == ["aioloader-fsrv-"]
-        os.killpg(proc.pid, signal.SIGTERM)
-        assert proc.wait(timeout=30) == -signal.SIGTERM
+        os.killpg(proc.pid, sig)
+        assert proc.wait(timeout=30) == -sig
         for pid in (server, *workers):
-            wait_until(lambda pid=pid: _gone(pid), 30.0, f"process {pid} to end on SIGTERM")
+            wait_until(lambda pid=pid: _gone(pid), 30.0, f"process {pid} to end on the signal")
+        wait_until(lambda: not group_alive(proc.pid), 30.0, "the whole group to end")
         assert list(_tmpdir(tmp_path).iterdir()) == []
-        # The resource tracker ignores SIGTERM: it outlives the others, then unlinks the
-        # semaphores the dead consumer's pool left registered (killing it would leak them).
-        wait_until(lambda: not group_alive(proc.pid), 30.0, "the resource tracker to clean up and exit")
+        # The channels are socket pairs: no named semaphore, nothing for a tracker to clean.
         assert _mp_semaphores() - semaphores == set()
+        assert [n for n in os.listdir("/dev/shm") if n.startswith("aioloader_") and str(proc.pid) in n] == []
     finally:
         if group_alive(proc.pid):
             os.killpg(proc.pid, signal.SIGKILL)
@@ -434,7 +306,7 @@ def _mp_semaphores() -> set[str]:
 PIPED_CHILD = '''
 import json, subprocess, sys
 import aioloader
-from aioloader import _forkserver
+from aioloader._pool import zygote as _forkserver
 
 if __name__ == "__main__":
     child = subprocess.Popen(
@@ -459,7 +331,7 @@ def test_the_forked_forkserver_keeps_no_pipe_the_consumer_shares_with_a_child(tm
     proc = _run(tmp_path, PIPED_CHILD)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.splitlines()[-1])
-    assert out["server"] == "aioloader-fsrv"  # the forked server, which inherits the consumer's fds
+    assert out["server"] == "aioloader-zyg"  # the forked server, which inherits the consumer's fds
     assert out["batches"] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
     assert out["child"] == "3"  # it saw the end of its input (before: waited for the consumer's exit)
 
@@ -469,7 +341,7 @@ def test_only_pipes_that_feed_a_child_are_let_go() -> None:
     write end of a pipe whose read end only a child holds is let go (that child waits for
     its end); a pipe whose write end a child holds too (a ``fork`` child holds copies of
     everything) is kept, and so are pipes no child holds."""
-    from aioloader import _forkserver_parts as parts
+    from aioloader._pool import zygote as parts
 
     wait = [sys.executable, "-c", "import sys; sys.stdin.read()"]
     fed_r, fed_w = os.pipe()
@@ -482,7 +354,7 @@ def test_only_pipes_that_feed_a_child_are_let_go() -> None:
     try:
         os.close(fed_r)
         os.close(both_r)
-        found = parts.shared_with_children()
+        found = parts._shared_with_children()
         assert kids[0].stdin is not None and kids[0].stdin.fileno() in found
         assert fed_w in found
         assert both_w not in found and lone_w not in found and lone_r not in found

@@ -706,7 +706,7 @@ EXIT_MID_TASK_SCRIPT = textwrap.dedent(
     import sys, threading
     sys.path.insert(0, {root!r})
     import aioloader
-    from aioloader import _generation
+    from aioloader._pool import procs
 
     class Stuck:
         def __len__(self):
@@ -722,7 +722,7 @@ EXIT_MID_TASK_SCRIPT = textwrap.dedent(
         it = iter(loader)
         print(next(it).tolist(), flush=True)
         if sys.argv[1] == "after-the-exit-hook":
-            _generation._retire_all_at_exit()  # what the interpreter's exit runs first
+            procs.close_all(0.1)  # what the interpreter's exit runs first
             try:
                 next(it)
             except Exception as exc:

@@ -15,7 +15,6 @@ from typing import Any
 import pytest
 
 import aioloader
-from aioloader import _lanes
 from aioloader._engine import dispatch
 
 pytestmark = pytest.mark.torch
@@ -202,7 +201,6 @@ def test_timeout_stops_a_stuck_worker_and_names_the_batch() -> None:
     assert labels(got) == [[0, 2], [1, 3]]
 
 
-@pytest.mark.skipif(not _lanes.enabled(), reason="without lanes a worker that never starts holds no shard")
 def test_a_worker_stuck_unpickling_the_dataset_times_out(
     collect: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -124,10 +124,9 @@ class Dispatcher:
         while True:
             if self.is_closed():
                 raise LoaderClosedError("the loader was closed while this batch was pending")
-            gen = pool.started_generation()
-            if gen is None:
+            if not pool.ready():
                 try:
-                    gen = await self._start(loop)
+                    await self._start(loop)
                 except RuntimeError as exc:  # the loop's default executor is shut down
                     if self.is_closed() or pool.closed:
                         raise LoaderClosedError("the loader was closed while this batch was pending") from exc
@@ -135,28 +134,27 @@ class Dispatcher:
             task = make_task(next(_task_ids), with_payload)
             task_id = task.task_id
             submit_ns = time.monotonic_ns()
-            job = pool.submit(gen, fn, task)
+            job = pool.send(fn, task)
             self._running[task_id] = job
             try:
                 res = await pool.result(job)
             except Lost as lost:
                 if self.is_closed():
                     raise LoaderClosedError("the loader was closed while this batch was pending") from None
-                info = await loop.run_in_executor(None, pool.recover, gen)
                 if split and task_id in self._timed_out:
                     raise Split(f"overran timeout={self.timeout} s") from None
-                if split and task_id in info.charged:
+                if split and lost.charged:
                     raise Split("was lost to a dying worker") from None
                 if task_id in self._timed_out:
                     raise self._timeout_error(named, self._timed_out[task_id]) from None
-                if task_id in info.charged:
+                if lost.charged:
                     attempts += 1
                     if attempts > self.max_retries:
-                        code, indices = info.charged[task_id], named.indices
+                        code, indices = lost.code, named.indices
                         raise WorkerCrashedError(
                             f"{_name(named)} was lost to a dying worker "
                             f"{attempts} times (exit code {describe_exit(code)}); max_retries={self.max_retries}. "
-                            + torch_crash_words(info.pids.get(task_id), code),
+                            + torch_crash_words(lost.pid, code),
                             indices=_as_list(indices),
                             exitcode=code,
                             attempts=attempts,
@@ -203,29 +201,27 @@ class Dispatcher:
                 await self.expire(task_id)
 
     def expire_stuck_start(self) -> None:
-        """A worker of the live generation still starting max(timeout, START_FLOOR_S)
-        seconds after the pool was asked to start is killed; the tasks sent on its lane then raise
-        :class:`~aioloader.LoaderTimeout` (the others are retried, and the next
-        iteration starts afresh). Also for callers that time their tasks themselves."""
+        """A worker still starting max(timeout, START_FLOOR_S) seconds after it was
+        started is killed and replaced; the tasks sent to it then raise
+        :class:`~aioloader.LoaderTimeout`. Also for callers that time their tasks themselves."""
         if self.timeout is None:
             return
         limit = max(self.timeout, START_FLOOR_S)
         try:
-            gen = self.pool.started_generation()
-            stuck = gen.kill_stuck_start(int(limit * 1e9)) if gen is not None else None
+            stuck = self.pool.kill_stuck_start(int(limit * 1e9))
         except LoaderClosedError:  # its tasks end with that error
             return
         if stuck is None:
             return
-        pid, futures = stuck
+        pid, jobs = stuck
         why = (
             f"because worker pid {pid} had not finished starting {limit:g} s after the pool started "
             f"(a start may take max(timeout, {START_FLOOR_S:g} s)): its worker_init_fn, the "
-            "unpickling of the dataset or an import did not return; it was killed and the pool rebuilt"
+            "unpickling of the dataset or an import did not return; it was killed and replaced"
         )
-        held = {id(f) for f in futures}
+        held = {id(j) for j in jobs}
         for task_id, job in self._running.items():
-            if id(job.future) in held and task_id not in self._timed_out:
+            if id(job) in held and task_id not in self._timed_out:
                 self._timed_out[task_id] = why
 
     async def expire(self, task_id: int) -> bool:

@@ -223,10 +223,10 @@ def run_child(spec: dict[str, Any], server_pid: int, timeout: float) -> dict[str
     def sample() -> None:
         while not done.wait(0.2):
             pss, rss, roles = tree_memory_mb(proc.pid)
+            # the most processes the run had at once (a worker that starts late still counts)
+            peak["processes"] = max(peak["processes"], sum(map(len, roles.values())))
             if pss > peak["pss_mb"]:
-                peak.update(
-                    pss_mb=pss, rss_mb=rss, processes=sum(map(len, roles.values())), pss_by_role_mb=roles
-                )
+                peak.update(pss_mb=pss, rss_mb=rss, pss_by_role_mb=roles)
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()

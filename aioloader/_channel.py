@@ -1,0 +1,100 @@
+"""A worker's channel: the one duplex socket between an owned worker and its pool.
+
+The pool (:mod:`aioloader._pool.procs`) writes tasks into it and reads the replies;
+the worker runs the tasks in the order they come and answers each in turn, so a
+reply needs no id. A message is a frame: an 8-byte little-endian length and a pickle.
+A task is ``(fn, args)``; a reply is ``(ok, value)`` (see :func:`reply`); a length of
+zero asks the worker to stop, and so does the end of the socket (the consumer is
+gone).
+
+Worker side: this module never imports asyncio.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import struct
+from collections.abc import Callable
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
+
+__all__ = ["HEAD", "READ", "frame", "read_exact", "serve"]
+
+HEAD = struct.Struct("<Q")
+READ = 1 << 18  # most bytes one read takes from the socket
+_NO_HEAD = bytes(HEAD.size)
+
+
+class _Sink:
+    """The pickler's file: one buffer, the frame's head in front."""
+
+    __slots__ = ("buf",)
+
+    def __init__(self) -> None:
+        self.buf = bytearray(_NO_HEAD)
+
+    def write(self, data: Any) -> int:
+        self.buf += data
+        return len(data) if isinstance(data, (bytes, bytearray)) else memoryview(data).nbytes
+
+
+def frame(obj: Any) -> memoryview:
+    """``obj`` pickled behind its length, in one buffer (raises what pickling raises)."""
+    sink = _Sink()
+    ForkingPickler(sink, pickle.HIGHEST_PROTOCOL).dump(obj)
+    view = memoryview(sink.buf)
+    HEAD.pack_into(view, 0, len(view) - HEAD.size)
+    return view
+
+
+def read_exact(fd: int, n: int) -> bytes | bytearray | None:
+    """``n`` bytes from ``fd``, or ``None`` at its end. A large task is read into one
+    buffer of its size rather than joined from the socket's pieces."""
+    first = os.read(fd, min(n, READ))
+    if len(first) == n or not first:
+        return first or None
+    buf = bytearray(n)
+    buf[: len(first)] = first
+    view, got = memoryview(buf), len(first)
+    while got < n:
+        k = os.readv(fd, [view[got:]])
+        if not k:
+            return None
+        got += k
+    return buf
+
+
+def serve(fd: int, run: Callable[[Callable[..., Any], tuple[Any, ...]], memoryview]) -> bool:
+    """A worker's loop: read a task, drop its pickle, ``run`` it into a reply frame,
+    drop its arguments, write the reply. Returns ``True`` when asked to stop, ``False``
+    when the consumer's end closed (it is gone)."""
+    while True:
+        try:
+            head = read_exact(fd, HEAD.size)
+        except ConnectionResetError:
+            return False
+        if head is None:
+            return False
+        size = HEAD.unpack(head)[0]
+        if not size:
+            return True
+        body = read_exact(fd, size)
+        if body is None:
+            return False
+        try:
+            fn, args = pickle.loads(body)
+        except BaseException as exc:  # a task that cannot be unpickled here fails alone
+            fn, args = _raise, (exc,)
+        del body  # a batch's fetched payloads, pickled: not kept while the task runs
+        view = run(fn, args)
+        del fn, args  # nor the payloads themselves while the next task is awaited
+        while view:
+            try:
+                view = view[os.write(fd, view) :]
+            except (BrokenPipeError, ConnectionResetError):
+                return False
+
+
+def _raise(exc: BaseException) -> None:
+    raise exc

@@ -1,0 +1,86 @@
+"""A task's submission as the pool tracks it (:class:`Job`), and how a lost one ends
+(:class:`Lost`). Shared by every backend of the pool.
+
+This module never imports asyncio at run time: a job wakes its awaiting task through
+the loop's :class:`~aioloader._wake.Waker`, from whichever thread settles it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .._reply import Outcome
+from .._wake import Waker
+
+__all__ = ["Job", "Lost"]
+
+
+class Lost(Exception):
+    """Pool → dispatcher, never to a user: the task did not come back.
+
+    ``charged``: its worker died while it held it (exit ``code``, ``pid``); otherwise it
+    was stopped (a timeout), the pool closed, or ``fatal`` says why no worker can run
+    anything (every task of the pool gets the same error)."""
+
+    def __init__(
+        self,
+        *,
+        charged: bool = False,
+        code: int | None = None,
+        pid: int | None = None,
+        fatal: Exception | None = None,
+    ) -> None:
+        super().__init__("the task's worker is gone")
+        self.charged = charged
+        self.code = code
+        self.pid = pid
+        self.fatal = fatal
+
+
+class Job:
+    """One submission of one task: what to run, and, once settled, its outcome."""
+
+    __slots__ = (
+        "__weakref__", "args", "callback", "done", "fn", "lost", "outcome", "seq", "settle_lock",
+        "stopped", "submit_ns", "task_id", "waiter", "waker", "worker",
+    )  # fmt: skip
+
+    def __init__(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], task_id: int | None = None
+    ) -> None:
+        self.fn = fn
+        self.args = args
+        self.task_id = task_id
+        self.submit_ns = time.monotonic_ns()
+        self.outcome: Outcome | None = None
+        self.lost: Lost | None = None
+        self.done = False
+        self.stopped = False  # a timeout stopped it: it ends Lost, uncharged, not run again
+        self.worker: Any = None  # where it was sent (a backend's own record), if anywhere
+        self.seq = -1  # its number on that worker's channel
+        self.waiter: Any = None  # the asyncio future the awaiting task waits on
+        self.waker: Waker | None = None
+        self.callback: Callable[[Job], None] | None = None  # the Executor face's future
+        self.settle_lock = threading.Lock()
+
+    def settle(self, outcome: Outcome | None = None, lost: Lost | None = None) -> bool:
+        """Give the job its outcome (or say it is lost), once; wakes whoever waits.
+        Returns whether this call settled it."""
+        with self.settle_lock:
+            if self.done:
+                return False
+            self.outcome, self.lost, self.done = outcome, lost, True
+        self.fn = self.args = None  # type: ignore[assignment]  # nothing kept past its end
+        self.wake()
+        cb = self.callback
+        if cb is not None:
+            cb(self)
+        return True
+
+    def wake(self) -> None:
+        waker, waiter = self.waker, self.waiter
+        if waker is not None and waiter is not None:
+            waker.wake(waiter)

@@ -1,0 +1,744 @@
+"""An owned pool's worker processes: one channel each, one I/O thread for all.
+
+Each worker has one duplex channel (a Unix socket pair, :mod:`aioloader._channel`) and
+a row of the pool's slot table (:mod:`aioloader._slots`). One thread of the consumer
+(``aioloader-pool``) reads every channel, settles the jobs, writes what a socket could
+not take at once, and watches every worker for its death.
+
+Sending. A job goes to the worker with the fewest unanswered jobs: at most two while
+tasks are short (one running, one waiting in its socket: no idle gap between two) and
+one once they take :data:`LONG_NS` or more. Beyond that it waits here, and goes out the
+moment a worker answers, from the I/O thread. A worker runs its channel's tasks in
+order, so a reply answers the oldest unanswered job of that channel.
+
+A death. The worker's process says it (the zygote's report with its exit code, or the
+sentinel of a process multiprocessing started). Replies it wrote first are read. Its
+row in the slot table names the task it held (``seq``, phase ``ACCEPTED`` or later):
+that job is lost, *charged* with the exit code. The other jobs it had not started go
+back to the front of the queue, uncharged. A job stopped by a timeout ends lost,
+uncharged. Then a new worker takes the same slot; the other workers keep their pids
+and their jobs. Workers that die before they finish starting, :data:`MAX_START_FAILURES`
+times in a row, end in a ``PoolBrokenError`` for every job.
+
+Starting. From the zygote (:mod:`aioloader._pool.zygote`) where there is one: a
+request, no wait. Otherwise multiprocessing starts the process (``ctx.Process``).
+Loaders' payloads go as the channel's first frame, or as the process's arguments
+(those holding multiprocessing primitives can travel only that way).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import mmap
+import os
+import selectors
+import signal
+import socket
+import threading
+import time
+import traceback
+import weakref
+from collections.abc import Callable
+from multiprocessing.context import BaseContext
+from typing import Any
+
+from .. import _byvalue, _channel, _mainguard, _reply, _worker
+from .._channel import HEAD, READ
+from .._slots import SharedTable, Slots, describe_exit
+from ..errors import PoolBrokenError
+from . import zygote as _zygote
+from .jobs import Job, Lost
+
+# What multiprocessing imports when it starts its first process: imported with the pool
+# instead, not inside the first iteration's time to its first batch.
+with contextlib.suppress(ImportError):
+    import multiprocessing.connection
+    import multiprocessing.forkserver
+    import multiprocessing.popen_fork
+    import multiprocessing.popen_forkserver
+    import multiprocessing.popen_spawn_posix
+    import multiprocessing.resource_tracker
+    import multiprocessing.spawn
+    import multiprocessing.util  # noqa: F401
+
+__all__ = ["DEPTH", "LONG_NS", "MAX_START_FAILURES", "Procs", "close_all"]
+
+DEPTH = 2  # unanswered jobs a worker holds at most: one running, one waiting in its socket
+LONG_NS = 3_000_000  # jobs this long (on average) go one to a worker at a time
+MAX_START_FAILURES = 3
+_ALPHA = 0.25  # weight of the newest job in the average
+_SOCKBUF = 1 << 20  # send buffer asked of each channel's consumer end
+
+_live: weakref.WeakSet[Procs] = weakref.WeakSet()
+exiting = False  # set by the exit hook: from then on no worker starts
+
+
+class _Worker:
+    """One worker process as the pool sees it."""
+
+    __slots__ = (
+        "born_ns", "channel", "code", "eof", "fd", "inbuf", "kill_asked", "out", "pid", "process",
+        "ready", "sent", "seqs", "slot", "watched", "why_killed",
+    )  # fmt: skip
+
+    def __init__(self, slot: int, channel: socket.socket) -> None:
+        self.slot = slot
+        self.channel = channel
+        self.fd = channel.fileno()
+        self.pid = 0  # known once started (a zygote's report may come after its replies)
+        self.process: Any = None  # multiprocessing's Process, where it started this one
+        self.sent: collections.deque[Job] = collections.deque()  # unanswered, in channel order
+        self.out: collections.deque[memoryview] = collections.deque()  # what the socket did not take yet
+        self.inbuf = bytearray()
+        self.watched = False  # the I/O thread waits for the socket to take more
+        self.seqs = 0  # jobs sent on this channel
+        self.born_ns = time.monotonic_ns()
+        self.code: int | None = None
+        self.eof = False
+        self.ready = False  # it answered once: past its start
+        self.kill_asked = False  # killed before its pid was known: kill it when it is
+        self.why_killed = ""  # the pool killed it (a timeout, a stuck start, closing)
+
+
+class Procs:
+    """The owned worker processes of one pool (see module doc)."""
+
+    def __init__(
+        self,
+        n: int,
+        ctx: BaseContext,
+        payloads: Callable[[], dict[str, bytes | _byvalue.Inherited]],
+        zygote: _zygote.Zygote | None,
+    ) -> None:
+        self.n = n
+        self._ctx: Any = ctx  # one of multiprocessing's contexts (the base type has no Process)
+        self._payloads = payloads
+        self._zygote = zygote
+        self._lock = threading.RLock()
+        self._idle = threading.Condition(self._lock)  # notified as jobs leave the workers
+        self._pending: collections.deque[Job] = collections.deque()
+        self._unsent: list[tuple[Job, _reply.Outcome]] = []
+        self._workers: list[_Worker | None] = [None] * n
+        self._by_pid: dict[int, _Worker] = {}
+        self._turn = 0
+        self.depth = DEPTH
+        self.task_ns: float | None = None
+        self.restarts = 0
+        # (pid, exit code) of the last workers that died on their own
+        self.deaths: collections.deque[tuple[int, int | None]] = collections.deque(maxlen=64)
+        self._start_failures = 0
+        self.fatal: Exception | None = None
+        self.closed = False
+        self.started = False
+        self._pids: list[int] = []  # a snapshot, safe to read from any thread
+        size = Slots.WIDTH * 8 * n
+        self._table_size = size
+        self._table_fd = -1
+        self._table: Any
+        if hasattr(os, "memfd_create"):
+            self._table_fd = os.memfd_create("aioloader-slots", os.MFD_CLOEXEC)
+            os.ftruncate(self._table_fd, size)
+            self._table = mmap.mmap(self._table_fd, size)
+            self._shared: Any = SharedTable(self._table_fd, size)  # what a Process argument carries
+        else:
+            self._table = self._shared = ctx.RawArray("q", Slots.WIDTH * n)
+        self.slots = Slots(self._table)
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self._wake_r, selectors.EVENT_READ, None)
+        if zygote is not None:
+            self._sel.register(zygote.sock, selectors.EVENT_READ, "zygote")
+        self._thread = threading.Thread(target=self._serve, name="aioloader-pool", daemon=True)
+        self._ended = threading.Event()
+        _live.add(self)
+
+    # ------------------------------------------------------------------ starting
+    def start(self) -> None:
+        """Start every worker (a zygote's return at once; multiprocessing's once each
+        process is forked), then the I/O thread. Tasks may be sent at once."""
+        with self._lock:
+            if self.started:
+                return
+            self.started = True
+            for slot in range(self.n):
+                self._spawn(slot)
+        self._thread.start()
+        self._settle_unsent()
+
+    def _spawn(self, slot: int) -> None:
+        """A new worker in ``slot`` (the lock held). A failure to start it counts as a
+        worker that died as it started."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        with contextlib.suppress(OSError):
+            ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCKBUF)
+        ours.setblocking(False)
+        w = _Worker(slot, ours)
+        self._workers[slot] = w
+        payloads = self._payloads()
+        zygote = self._zygote if self._zygote is not None and not self._zygote.dead else None
+        inherited = any(isinstance(p, _byvalue.Inherited) for p in payloads.values())
+        try:
+            if zygote is not None and not inherited:
+                w.out.append(_channel.frame(payloads))  # the worker's first frame
+                zygote.request(slot, theirs.fileno(), self._table_fd, self._table_size, self.n)
+            else:
+                if self._ctx.get_start_method() != "fork":
+                    _byvalue.drop_fake_main_file()
+                process = self._ctx.Process(
+                    target=_worker.worker_main,
+                    args=(theirs, slot, self._shared, self.n, os.getpid(), payloads),
+                    name=f"aioloader-worker-{slot}",
+                    daemon=True,
+                )
+                process.start()
+                w.process, w.pid = process, process.pid
+                self._by_pid[w.pid] = w
+        except Exception as exc:
+            theirs.close()
+            self._register(w)
+            self.deaths.append((-1, None))
+            self._start_failed(w, exc)
+            return
+        finally:
+            with contextlib.suppress(OSError):
+                theirs.close()
+        self._register(w)
+        self._flush_pending(w)
+
+    def _register(self, w: _Worker) -> None:
+        self._sel.register(w.fd, selectors.EVENT_READ, w)
+        if w.process is not None:
+            self._sel.register(w.process.sentinel, selectors.EVENT_READ, ("sentinel", w))
+        if w.out:
+            self._wake()
+        self._snapshot_pids()
+
+    def _snapshot_pids(self) -> None:
+        self._pids = sorted(w.pid for w in self._workers if w is not None and w.pid)
+
+    def pids(self) -> list[int]:
+        return list(self._pids)
+
+    # ------------------------------------------------------------------- sending
+    def submit(self, job: Job) -> None:
+        """Send ``job`` to a worker, or queue it. Settles it at once if the pool cannot
+        run anything (closed, or fatally broken)."""
+        error = None
+        with self._lock:
+            if self.fatal is not None or self.closed:
+                lost = Lost(fatal=self.fatal)
+            else:
+                lost = None
+                w = self._least_busy()
+                if w is None or self._pending or len(w.sent) >= self.depth:
+                    self._pending.append(job)
+                else:
+                    error = self._send(w, job)
+        if lost is not None:
+            job.settle(lost=lost)
+        elif error is not None:
+            job.settle(error)
+        self._settle_unsent()
+
+    def _least_busy(self) -> _Worker | None:
+        workers, n = self._workers, self.n
+        best = None
+        for k in range(n):
+            w = workers[(self._turn + k) % n]
+            if w is not None and w.code is None and not w.why_killed and (best is None or len(w.sent) < len(best.sent)):
+                best = w
+        self._turn += 1
+        return best
+
+    def _send(self, w: _Worker, job: Job) -> _reply.Outcome | None:
+        """Pickle ``job`` and write it into ``w``'s channel (the lock held). A job that
+        cannot be pickled is not sent: its error comes back as its outcome, to settle
+        once the lock is released."""
+        try:
+            data = _channel.frame((job.fn, job.args))
+        except BaseException as exc:
+            traceback.clear_frames(exc.__traceback__)
+            return _reply.Outcome(False, exc)
+        job.worker, job.seq = w, w.seqs
+        w.seqs += 1
+        w.sent.append(job)
+        self._put(w, data)
+        return None
+
+    def _put(self, w: _Worker, data: memoryview) -> None:
+        n = 0
+        if not w.out:
+            with contextlib.suppress(BlockingIOError, BrokenPipeError, ConnectionResetError):
+                n = os.write(w.fd, data)
+            if n == len(data):
+                return
+        w.out.append(data[n:])
+        if not w.watched:
+            self._wake()
+
+    def _flush_pending(self, w: _Worker) -> None:
+        """Give ``w`` queued jobs while it has room (the lock held). A job that cannot be
+        pickled waits in :attr:`_unsent` to be settled once the lock is released."""
+        while self._pending and len(w.sent) < self.depth and w.code is None and not w.why_killed:
+            job = self._pending.popleft()
+            if job.done:
+                continue
+            error = self._send(w, job)
+            if error is not None:
+                self._unsent.append((job, error))
+
+    def _settle_unsent(self) -> None:
+        """Settle the jobs that could not be pickled (the lock not held)."""
+        while self._unsent:
+            try:
+                job, error = self._unsent.pop()
+            except IndexError:
+                return
+            job.settle(error)
+
+    def _wake(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.write(self._wake_w, b"\0")
+
+    # ----------------------------------------------------------------- the I/O thread
+    def _serve(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # a bug here must not leave a job waiting for ever
+            self._break(PoolBrokenError(f"the pool's I/O thread failed: {type(exc).__name__}: {exc}"))
+        finally:
+            self._ended.set()
+
+    def _loop(self) -> None:
+        while True:
+            for key, events in self._sel.select():
+                data = key.data
+                if data is None:
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(self._wake_r, 4096)
+                    if self.closed and self._all_gone():
+                        return
+                    self._watch()
+                elif data == "zygote":
+                    self._reports()
+                elif isinstance(data, tuple):
+                    self._sentinel(data[1])
+                else:
+                    if events & selectors.EVENT_WRITE:
+                        self._flush(data)
+                    if events & selectors.EVENT_READ:
+                        self._read(data)
+
+    def _all_gone(self) -> bool:
+        return all(w is None or w.code is not None for w in self._workers)
+
+    def _watch(self) -> None:
+        with self._lock:
+            for w in self._workers:
+                if w is not None and w.out and not w.watched and w.code is None:
+                    self._sel.modify(w.fd, selectors.EVENT_READ | selectors.EVENT_WRITE, w)
+                    w.watched = True
+
+    def _flush(self, w: _Worker) -> None:
+        with self._lock:
+            out = w.out
+            try:
+                while out:
+                    n = os.write(w.fd, out[0])
+                    if n < len(out[0]):
+                        out[0] = out[0][n:]
+                        break
+                    out.popleft()
+            except BlockingIOError:
+                pass
+            except OSError:  # the worker is gone: its death says what it held
+                out.clear()
+            if not out and w.watched and w.code is None:
+                self._sel.modify(w.fd, selectors.EVENT_READ, w)
+                w.watched = False
+
+    def _read(self, w: _Worker, dying: bool = False) -> None:
+        while True:
+            try:
+                chunk = os.read(w.fd, READ)
+            except BlockingIOError:
+                break
+            except OSError:
+                chunk = b""
+            if not chunk:
+                if not dying:
+                    self._ended_channel(w)
+                break
+            w.inbuf += chunk
+            if len(chunk) < READ:
+                break
+        self._replies(w)
+
+    def _replies(self, w: _Worker) -> None:
+        buf, pos, replies = w.inbuf, 0, []
+        with memoryview(buf) as view:
+            while len(buf) - pos >= HEAD.size:
+                (size,) = HEAD.unpack_from(buf, pos)
+                end = pos + HEAD.size + size
+                if len(buf) < end:
+                    break
+                replies.append(bytes(view[pos + HEAD.size : end]))
+                pos = end
+        del buf[:pos]
+        if not replies:
+            return
+        jobs = []
+        now = time.monotonic_ns()
+        with self._lock:
+            w.ready = True
+            self._start_failures = 0
+            for _ in replies:
+                job = w.sent.popleft() if w.sent else None
+                if job is not None:
+                    self._observe(now - job.submit_ns)
+                jobs.append(job)
+            self._flush_pending(w)
+            self._idle.notify_all()
+        self._settle_unsent()
+        for job, data in zip(jobs, replies, strict=True):
+            outcome = _reply.arrived(data)  # even with nobody waiting: it frees what the reply holds
+            if job is not None:
+                job.settle(outcome)
+
+    def _observe(self, ns: int) -> None:
+        t = self.task_ns
+        t = self.task_ns = ns if t is None else (1 - _ALPHA) * t + _ALPHA * ns
+        self.depth = 1 if t >= LONG_NS else DEPTH
+
+    def _ended_channel(self, w: _Worker) -> None:
+        """The worker's end of its channel closed: it exited, or is exiting."""
+        if w.eof:
+            return
+        w.eof = True
+        with contextlib.suppress(KeyError, ValueError):
+            self._sel.unregister(w.fd)
+        zygote = self._zygote
+        if w.process is None and (zygote is None or zygote.dead):
+            self._died(w, None)  # nobody will report its exit code
+
+    def _reports(self) -> None:
+        zygote = self._zygote
+        assert zygote is not None
+        for kind, pid, value in zygote.reports():
+            with self._lock:
+                if kind == b"F":
+                    w = self._workers[value] if 0 <= value < self.n else None
+                    if w is not None and not w.pid and w.process is None:
+                        w.pid = pid
+                        self._by_pid[pid] = w
+                        self._snapshot_pids()
+                        if w.kill_asked:
+                            _kill(pid)
+                    continue
+            if kind == b"X":
+                w = self._by_pid.get(pid)
+                if w is not None:
+                    self._died(w, value)
+            elif kind == b"E":
+                w = self._workers[pid] if 0 <= pid < self.n else None
+                if w is not None and not w.pid:
+                    self._died(w, None, OSError(value, os.strerror(value)))
+        if zygote.dead:
+            with contextlib.suppress(KeyError, ValueError):
+                self._sel.unregister(zygote.sock)
+            for w in list(self._workers):  # no more exit codes: their channels' ends say it
+                if w is not None and w.code is None and w.process is None:
+                    if w.eof:
+                        self._died(w, None)
+                    elif w.pid:
+                        _kill(w.pid)
+
+    def _sentinel(self, w: _Worker) -> None:
+        with contextlib.suppress(KeyError, ValueError):
+            self._sel.unregister(w.process.sentinel)
+        w.process.join(5.0)
+        self._died(w, w.process.exitcode)
+
+    def _start_failed(self, w: _Worker, exc: Exception) -> None:
+        """Starting the worker itself failed (no fork, no zygote)."""
+        self._died(w, None, exc)
+
+    # ---------------------------------------------------------------------- deaths
+    def _died(self, w: _Worker, code: int | None, failure: Exception | None = None) -> None:
+        """Worker ``w`` is gone with exit ``code``: settle or requeue what it held, and
+        put a new worker in its slot (see module doc). Runs in the I/O thread (or where
+        a start failed)."""
+        if w.code is not None:
+            return
+        if not w.eof:
+            with contextlib.suppress(OSError):
+                self._read(w, dying=True)  # what it answered before it died
+        with self._lock:
+            if _dead(w):  # another thread saw it first, while this one read
+                return
+            w.code = code if code is not None else -255 if failure is None else -254
+            if not w.eof:
+                with contextlib.suppress(KeyError, ValueError):
+                    self._sel.unregister(w.fd)
+            w.eof = True
+            _, phase, seq, _ = self.slots.row(w.slot) if w.pid else (0, Slots.STARTING, -1, 0)
+            started = w.ready or phase >= Slots.READY
+            settle: list[tuple[Job, Lost]] = []
+            requeue: list[Job] = []
+            for job in w.sent:
+                if job.stopped or self.closed:
+                    settle.append((job, Lost()))
+                elif job.seq == seq and phase >= Slots.ACCEPTED and not w.why_killed:
+                    settle.append((job, Lost(charged=True, code=code, pid=w.pid or None)))
+                else:  # it had not started it, or the pool killed it for another job's sake
+                    requeue.append(job)
+            w.sent.clear()
+            w.out.clear()
+            self._pending.extendleft(reversed(requeue))
+            if not w.why_killed:
+                self.deaths.append((w.pid, code))
+            fatal = None
+            if not started and not w.why_killed:
+                self._start_failures += 1
+                fatal = self._startup_verdict(code, failure)
+            if self._by_pid.get(w.pid) is w:
+                del self._by_pid[w.pid]
+            with contextlib.suppress(OSError):
+                w.channel.close()
+            replace = fatal is None and not self.closed and not exiting and self.fatal is None
+            if replace:
+                self.restarts += 1
+                self._spawn(w.slot)
+            else:
+                self._workers[w.slot] = w  # stays, dead: the slot has no worker now
+                self._snapshot_pids()
+                if not self.closed and self.fatal is None:  # a dead slot: its queued jobs go elsewhere
+                    for other in self._workers:
+                        if other is not None and other.code is None:
+                            self._flush_pending(other)
+        self._settle_unsent()
+        for job, lost in settle:
+            job.settle(lost=lost)
+        with self._lock:
+            self._idle.notify_all()
+        if fatal is not None:
+            self._break(fatal)
+        elif self.closed and self._all_gone():
+            self._wake()
+
+    def _startup_verdict(self, code: int | None, failure: Exception | None) -> Exception | None:
+        """After a worker died before it finished starting: the error that ends the pool,
+        or ``None`` to start another (the lock held)."""
+        if code == _mainguard.EXIT_CODE:
+            return _mainguard.error(code)
+        if self._start_failures < MAX_START_FAILURES:
+            return None
+        codes = [c for _, c in list(self.deaths)[-MAX_START_FAILURES:]]
+        signals = [c for c in codes if c is not None and c < 0]
+        if failure is not None:
+            why = f"the pool could not start a worker process ({type(failure).__name__}: {failure})"
+        elif signals and len(signals) == len(codes):
+            names = sorted({describe_exit(c) for c in signals})
+            why = (
+                f"the pool's workers were killed by a signal before they finished starting, "
+                f"{MAX_START_FAILURES} times in a row (exit codes {names}). aioloader did not send it: "
+                "it came from outside the pool (another process, a supervisor, or the kernel's "
+                "out-of-memory killer for SIGKILL)"
+            )
+        else:
+            why = (
+                f"the pool's workers keep dying before they finish starting ({MAX_START_FAILURES} in a row; "
+                f"exit codes {sorted(describe_exit(c) for c in codes)}). A worker that cannot import the main "
+                "module or the dataset's module, or that crashes while unpickling the dataset, does this: "
+                "run from a file rather than stdin, guard the entry point with `if __name__ == '__main__':`, "
+                "and check that the dataset unpickles in a fresh interpreter"
+            )
+        err = PoolBrokenError(why, exitcode=codes[-1] if codes else None)
+        if failure is not None:
+            err.__cause__ = failure
+        return err
+
+    def _break(self, fatal: Exception) -> None:
+        """No worker can run anything: every job gets ``fatal``; the workers are stopped."""
+        with self._lock:
+            if self.fatal is None:
+                self.fatal = fatal
+            jobs = list(self._pending) + [j for w in self._workers if w is not None for j in w.sent]
+            self._pending.clear()
+            for w in self._workers:
+                if w is not None:
+                    w.sent.clear()
+        for job in jobs:
+            job.settle(lost=Lost(fatal=self.fatal))
+        self._kill_all("the pool broke")
+
+    def drain(self) -> None:
+        """Wait until every job sent or queued is answered (the Executor's shutdown)."""
+        with self._idle:
+            while (self._pending or any(w is not None and w.sent for w in self._workers)) and (
+                self.fatal is None and not self.closed and self._thread.is_alive()
+            ):
+                self._idle.wait(1.0)
+
+    def drop_pending(self) -> None:
+        """Cancel the jobs no worker has taken yet (``shutdown(cancel_futures=True)``)."""
+        with self._lock:
+            jobs = list(self._pending)
+            self._pending.clear()
+            self._idle.notify_all()
+        for job in jobs:
+            job.settle(lost=Lost())
+
+    # ------------------------------------------------------------ stopping workers
+    def running_since(self, job: Job) -> int | None:
+        """``monotonic_ns`` when ``job``'s worker started building it, or ``None``."""
+        w = job.worker
+        if w is None or job.done or w.code is not None or not w.pid:
+            return None
+        pid, phase, seq, start = self.slots.row(w.slot)
+        if pid == w.pid and seq == job.seq and phase == Slots.RUNNING and start:
+            return start
+        return None
+
+    def stop(self, job: Job) -> str | None:
+        """Kill the worker running ``job`` (a timeout); its job then ends lost, uncharged,
+        and the worker is replaced. ``None`` if it no longer runs it."""
+        if self.running_since(job) is None:
+            return None
+        w = job.worker
+        job.stopped = True
+        self._kill(w, "a task overran its timeout")
+        return f"its worker (pid {w.pid}) was killed and replaced"
+
+    def kill_stuck_start(self, limit_ns: int) -> tuple[int, list[Job]] | None:
+        """Kill a worker still starting ``limit_ns`` after it was started (its
+        ``worker_init_fn``, the unpickling of a dataset or an import hangs). Returns its
+        pid and the jobs sent to it, which end lost; ``None`` if none is stuck."""
+        now = time.monotonic_ns()
+        with self._lock:
+            for w in self._workers:
+                if w is None or w.code is not None or w.ready or w.why_killed or now - w.born_ns <= limit_ns:
+                    continue
+                pid, phase, _, _ = self.slots.row(w.slot)
+                if w.pid and pid == w.pid and phase != Slots.STARTING:
+                    continue
+                jobs = list(w.sent)
+                for job in jobs:
+                    job.stopped = True
+                self._kill(w, "it did not finish starting")
+                return w.pid, jobs
+        return None
+
+    def _kill(self, w: _Worker, why: str) -> None:
+        with self._lock:
+            if w.code is not None:
+                return
+            w.why_killed = why
+            if w.process is not None:
+                with contextlib.suppress(ValueError, OSError):
+                    w.process.kill()
+            elif w.pid:
+                _kill(w.pid)
+            else:
+                w.kill_asked = True
+
+    def _kill_all(self, why: str) -> None:
+        with self._lock:
+            for w in self._workers:
+                if w is not None and w.code is None:
+                    self._kill(w, why)
+
+    def close(self, grace: float) -> None:
+        """Stop the workers: each finishes what it holds within ``grace`` seconds, then
+        is killed. Jobs not answered end lost. Idempotent; never hangs."""
+        with self._lock:
+            first = not self.closed
+            self.closed = True
+            jobs = list(self._pending)
+            self._pending.clear()
+            if first:
+                for w in self._workers:
+                    if w is not None and w.code is None:
+                        self._put(w, memoryview(HEAD.pack(0)))  # after what it holds
+        for job in jobs:
+            job.settle(lost=Lost())
+        if not self._thread.is_alive() and self._thread.ident is None:
+            self._release(grace)
+            return
+        if threading.current_thread() is self._thread:
+            return
+        deadline = time.monotonic() + grace
+        while not self._all_gone() and time.monotonic() < deadline and self._thread.is_alive():
+            self._wake()
+            self._ended.wait(min(0.02, max(0.0, deadline - time.monotonic())))
+        self._kill_all("the pool was closed")
+        self._wake()
+        self._ended.wait(5.0)
+        self._release(0.0)
+
+    def _release(self, grace: float) -> None:
+        """Once the I/O thread is done (or never ran): reap, fail what is left, free."""
+        with self._lock:
+            workers = [w for w in self._workers if w is not None]
+        for w in workers:
+            if w.code is None:
+                if w.process is not None:
+                    w.process.join(grace)
+                    if w.process.exitcode is None:
+                        with contextlib.suppress(ValueError, OSError):
+                            w.process.kill()
+                        w.process.join(5.0)
+                elif w.pid:
+                    _kill(w.pid)
+            for job in list(w.sent):
+                job.settle(lost=Lost())
+            w.sent.clear()
+            with contextlib.suppress(OSError):
+                w.channel.close()
+            if w.process is not None:
+                with contextlib.suppress(ValueError):
+                    w.process.close()
+        with self._lock:
+            if self._wake_r < 0:
+                return
+            self._sel.close()
+            for fd in (self._wake_r, self._wake_w, self._table_fd):
+                if fd >= 0:
+                    os.close(fd)
+            self._wake_r = self._wake_w = self._table_fd = -1
+            self._pids = []
+        _live.discard(self)
+
+    def abandon(self) -> None:
+        """A forked child's copy: forget the parent's workers without touching them."""
+        self.closed = True
+        _live.discard(self)
+
+
+def _dead(w: _Worker) -> bool:
+    return w.code is not None
+
+
+def _kill(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, signal.SIGKILL)
+
+
+def close_all(grace: float) -> None:
+    """Stop every live pool's workers (interpreter exit)."""
+    global exiting
+    exiting = True
+    for procs in list(_live):
+        with contextlib.suppress(Exception):
+            procs.close(grace)
+
+
+def _after_fork_in_child() -> None:
+    global exiting
+    exiting = False
+    for procs in list(_live):
+        procs.abandon()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

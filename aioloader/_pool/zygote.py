@@ -1,0 +1,336 @@
+"""The pool's own fork server: a copy of the consumer that forks the workers.
+
+Why: a worker forked from a copy of the consumer has every module the consumer had
+imported (torch, the dataset's modules) for nothing. A spawned interpreter imports
+them again before its first batch: seconds with torch. ``fork`` from the consumer
+itself is unsafe once it runs threads (a lock held by another thread stays held in the
+child), and the consumer runs some as soon as it loads.
+
+So the first owned pool of a process forks a *zygote*, while the process has one
+thread. The zygote is single-threaded for ever. It waits on a socket pair
+(``SOCK_SEQPACKET``: one message per request, descriptors passed with it). A request
+carries a worker's slot, its channel and its pool's slot table; the zygote forks, and
+the child runs :func:`aioloader._worker.worker_main`. The zygote answers with the pid,
+reaps its children, and reports each exit code. It ends when the consumer's end of
+the socket closes (the consumer exited, or was killed).
+
+The zygote resets what a fresh interpreter would not have: Python signal handlers go
+back to the default (SIGINT is ignored), buffered output is flushed before the fork,
+an interactive ``__main__`` is emptied (what was defined there travels by value), and
+the garbage collector's objects are frozen. It keeps the consumer's memory as it was,
+shared copy-on-write, until the consumer exits. ``AIOLOADER_FORKSERVER=spawn`` turns it
+off: multiprocessing then starts the workers.
+
+Only public APIs: ``os.fork``, ``socket.send_fds``/``recv_fds``, ``os.waitpid``. This
+module never imports asyncio.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import mmap
+import os
+import signal
+import socket
+import struct
+import sys
+import threading
+import types
+import warnings
+from typing import Any
+
+__all__ = ["ENV", "Zygote", "get", "server_pid", "usable"]
+
+ENV = "AIOLOADER_FORKSERVER"  # "spawn": never fork a zygote
+REQUEST = struct.Struct("<qqqq")  # slot, table size, number of workers, consumer pid
+REPORT = struct.Struct("<cxxxxxxxqq")  # kind, pid, value: F (forked: slot), X (exited: code), E (failed: errno)
+ZYGOTE_NAME = b"aioloader-zyg"
+WORKER_NAME = b"aioloader-work"
+
+_lock = threading.Lock()
+_zygote: Zygote | None = None
+
+
+def _native_threads() -> int | None:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return None
+
+
+_NATIVE_AT_IMPORT = _native_threads() if threading.active_count() == 1 else None
+
+
+def usable() -> bool:
+    """Can this process fork a zygote now? Linux, one Python thread, and no native
+    thread but those there when aioloader was imported (numpy's OpenBLAS pool, which
+    prepares itself for fork); not turned off by :data:`ENV`."""
+    if os.environ.get(ENV, "").lower() == "spawn" or not sys.platform.startswith("linux"):
+        return False
+    if not hasattr(socket, "send_fds") or threading.active_count() != 1:
+        return False
+    native = _native_threads()
+    return native is not None and native <= max(1, _NATIVE_AT_IMPORT or 1)
+
+
+def server_pid() -> int | None:
+    """The pid of this process's zygote, if it has one."""
+    z = _zygote
+    return z.pid if z is not None and not z.dead and z.consumer == os.getpid() else None
+
+
+def get(make: bool) -> Zygote | None:
+    """This process's zygote: forked now if ``make`` and it is safe, else ``None``."""
+    global _zygote
+    if os.environ.get(ENV, "").lower() == "spawn":
+        return None
+    with _lock:
+        z = _zygote
+        if z is not None and (z.consumer != os.getpid() or z.dead):
+            z = _zygote = None
+        if z is None and make and usable():
+            with contextlib.suppress(OSError):
+                z = _zygote = Zygote.fork()
+        return z
+
+
+class Zygote:
+    """The consumer's handle on its zygote: :meth:`request` a worker; the pool's I/O
+    thread reads :meth:`reports` when :attr:`sock` is readable."""
+
+    def __init__(self, pid: int, sock: socket.socket) -> None:
+        self.pid = pid
+        self.sock = sock
+        self.consumer = os.getpid()
+        self.dead = False
+        self.send_lock = threading.Lock()
+
+    @classmethod
+    def fork(cls) -> Zygote:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        feeding = _shared_with_children()
+        with warnings.catch_warnings():
+            # 3.12+ warns of any other OS thread; the only ones allowed (see usable) prepare for fork.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid == 0:  # pragma: no cover - the zygote (coverage does not follow it)
+            code = 1
+            try:
+                ours.close()
+                _neutralize(feeding)
+                _serve(theirs)
+                code = 0
+            finally:
+                os._exit(code)
+        theirs.close()
+        return cls(pid, ours)
+
+    def request(self, slot: int, channel: int, table: int, table_size: int, workers: int) -> None:
+        """Ask for a worker in ``slot`` (its channel and slot table's descriptors are
+        passed); the answer comes as a report. Raises ``OSError`` if the zygote is gone."""
+        msg = REQUEST.pack(slot, table_size, workers, os.getpid())
+        with self.send_lock:
+            socket.send_fds(self.sock, [msg], [channel, table])
+
+    def reports(self) -> list[tuple[bytes, int, int]]:
+        """What the zygote said since the last call: ``(kind, pid, value)`` each; an
+        empty list once it is gone (then :attr:`dead` is set)."""
+        out: list[tuple[bytes, int, int]] = []
+        while True:
+            try:
+                data = self.sock.recv(REPORT.size, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return out
+            except OSError:
+                data = b""
+            if not data:
+                self.dead = True
+                return out
+            out.append(REPORT.unpack(data))
+
+    def close(self) -> None:
+        self.dead = True
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+# ----------------------------------------------------------------- the zygote itself
+def _serve(sock: socket.socket) -> None:  # pragma: no cover - in the zygote
+    _name_process(ZYGOTE_NAME)
+    for sig in signal.valid_signals():
+        with contextlib.suppress(OSError, ValueError, TypeError):
+            if callable(signal.getsignal(sig)):
+                signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, _ignore)
+    from .. import _byvalue, _worker  # noqa: F401  (imported once here, not in every worker)
+
+    if _byvalue.main_is_interactive():
+        # Workers of an interactive consumer get what was defined in __main__ by value;
+        # a copy of the consumer's module would shadow those definitions.
+        sys.modules["__main__"] = types.ModuleType("__main__")
+    gc.freeze()
+    import select
+
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN)
+    poller.register(wake_r, select.POLLIN)
+    while True:
+        for fd, _ in poller.poll():
+            if fd == wake_r:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(wake_r, 4096)
+                _reap(sock)
+                continue
+            try:
+                msg, fds, _, _ = socket.recv_fds(sock, REQUEST.size, 2)
+            except OSError:
+                msg, fds = b"", []
+            if not msg:
+                return  # the consumer is gone; the workers see their channels end
+            _fork_worker(sock, msg, fds, (wake_r, wake_w))
+
+
+def _fork_worker(sock: socket.socket, msg: bytes, fds: list[int], wake: tuple[int, int]) -> None:  # pragma: no cover
+    slot, table_size, workers, consumer = REQUEST.unpack(msg)
+    try:
+        pid = os.fork()
+    except OSError as exc:
+        for fd in fds:
+            os.close(fd)
+        _report(sock, b"E", slot, exc.errno or 0)
+        return
+    if pid == 0:
+        code = 1
+        try:
+            sock.close()
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            for fd in wake:
+                os.close(fd)
+            _name_process(WORKER_NAME)
+            channel, table_fd = fds
+            table = mmap.mmap(table_fd, table_size)
+            os.close(table_fd)
+            from .._worker import worker_main
+
+            worker_main(channel, slot, table, workers, consumer, None)
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+        finally:
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+            os._exit(code)
+    for fd in fds:
+        os.close(fd)
+    _report(sock, b"F", pid, slot)
+
+
+def _reap(sock: socket.socket) -> None:  # pragma: no cover - in the zygote
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        _report(sock, b"X", pid, os.waitstatus_to_exitcode(status))
+
+
+def _report(sock: socket.socket, kind: bytes, pid: int, value: int) -> None:  # pragma: no cover
+    with contextlib.suppress(OSError):
+        sock.send(REPORT.pack(kind, pid, value))
+
+
+def _ignore(*_: Any) -> None:  # pragma: no cover - SIGCHLD only wakes the zygote's poll
+    pass
+
+
+def _name_process(name: bytes) -> None:  # pragma: no cover - in the zygote and its workers
+    with contextlib.suppress(OSError), open("/proc/self/comm", "wb") as f:
+        f.write(name)
+
+
+# ------------------------------------------------- what the zygote must not keep open
+def _shared_with_children() -> list[int]:
+    """This process's write ends of pipes (but stdin, stdout and stderr) whose read end a
+    child process holds, and no child the write end. The zygote lives as long as the
+    consumer: a copy of such an end kept there would make a child that waits for the end
+    of its input (``subprocess`` with ``stdin=PIPE``) wait for ever. Best effort."""
+    read_by: set[str] = set()
+    written_by: set[str] = set()
+    for kid in _children():
+        for fd, pipe in _pipes(f"/proc/{kid}").items():
+            (written_by if _mode(f"/proc/{kid}", fd) == os.O_WRONLY else read_by).add(pipe)
+    feeding = read_by - written_by
+    if not feeding:
+        return []
+    mine = _pipes("/proc/self")
+    return sorted(
+        int(fd)
+        for fd, pipe in mine.items()
+        if pipe in feeding and int(fd) > 2 and _mode("/proc/self", fd) == os.O_WRONLY
+    )
+
+
+def _neutralize(fds: list[int]) -> None:  # pragma: no cover - in the zygote
+    """Point each of ``fds`` at ``/dev/null``: the pipe end is closed, its number stays
+    taken (a closed number would go to the next file opened, where an inherited object
+    still writes)."""
+    if not fds:
+        return
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.dup2(null, fd)
+    finally:
+        os.close(null)
+
+
+def _children() -> list[str]:
+    kids: list[str] = []
+    with contextlib.suppress(OSError):
+        for tid in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError), open(f"/proc/self/task/{tid}/children") as f:
+                kids.extend(f.read().split())
+    return kids
+
+
+def _pipes(proc: str) -> dict[str, str]:
+    """fd -> ``pipe:[inode]`` for the pipes open in the process at ``proc``."""
+    found: dict[str, str] = {}
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"{proc}/fd"):
+            with contextlib.suppress(OSError):
+                link = os.readlink(f"{proc}/fd/{fd}")
+                if link.startswith("pipe:"):
+                    found[fd] = link
+    return found
+
+
+def _mode(proc: str, fd: str) -> int | None:
+    """The access mode (``O_RDONLY``, ``O_WRONLY``, ``O_RDWR``) of an fd, from fdinfo."""
+    with contextlib.suppress(OSError, ValueError), open(f"{proc}/fdinfo/{fd}") as f:
+        for line in f:
+            if line.startswith("flags:"):
+                return int(line.split()[1], 8) & os.O_ACCMODE
+    return None
+
+
+def _after_fork_in_child() -> None:
+    """A child forked from this process (the zygote, its workers, a user's fork) does
+    not own this process's zygote: it would fork its workers from another's."""
+    global _zygote, _lock
+    _zygote, _lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
