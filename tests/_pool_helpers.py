@@ -37,25 +37,14 @@ def syscall_of(pid: int) -> str | None:
         return None
 
 
-def _spilling(pid: int, size: int) -> bool:
-    """Is ``pid`` half-way through writing a spill file (one smaller than ``size``)?"""
-    tag = f"_{pid}_spill"
-    with contextlib.suppress(OSError):
-        for entry in os.scandir("/dev/shm"):
-            if tag in entry.name and entry.stat().st_size < size:
-                return True
-    return False
-
-
 def kill_while_writing(pid: int, poll_s: float = 2.0, size: int = 0) -> bool:
     """SIGKILL ``pid`` as soon as it is seen writing its result: blocked in a write(2)
-    to the executor's pipe, or with a spill file smaller than ``size`` bytes (a write
-    to tmpfs never blocks, so it shows as "running"); or after ``poll_s`` anyway. The
-    poll is busy: the write may last only milliseconds. True if the kill landed there."""
+    to its channel; or after ``poll_s`` anyway. The poll is busy: the write may last
+    only milliseconds. True if the kill landed there."""
     deadline = time.monotonic() + poll_s
     seen = False
     while time.monotonic() < deadline:
-        if syscall_of(pid) in WRITE_SYSCALLS or (size and _spilling(pid, size)):
+        if syscall_of(pid) in WRITE_SYSCALLS:
             seen = True
             break
     with contextlib.suppress(ProcessLookupError):
@@ -152,7 +141,6 @@ def mid_send(nbytes: int, transport: str, face: str, marker: str) -> dict[str, A
     """Six batches of ``nbytes`` each, one sample per batch; the worker that returns
     sample 2 is killed while it writes the batch back (if the killer catches it there).
     Runs in a subprocess."""
-    import concurrent.futures.process as cfp
     import subprocess
 
     ds = BigDataset(6, nbytes, marker=marker, marked=2)
@@ -183,8 +171,8 @@ def mid_send(nbytes: int, transport: str, face: str, marker: str) -> dict[str, A
         if killer.poll() is None:
             killer.kill()
             killer.wait()
-    managers = [x for x in threading.enumerate() if isinstance(x, cfp._ExecutorManagerThread)]
-    return {"got": got, "restarts": restarts, "in_write": in_write, "managers": len(managers)}
+    pool_threads = [x for x in threading.enumerate() if x.name == "aioloader-pool"]
+    return {"got": got, "restarts": restarts, "in_write": in_write, "managers": len(pool_threads)}
 
 
 def mid_send_main() -> None:

@@ -1,5 +1,5 @@
-"""The pool boundary: small replies that a dying worker cannot wedge, crash attribution
-that charges only the task a worker died holding, startup failures that end, and no
+"""The pool boundary: replies a dying worker cannot wedge, crash attribution that
+charges only the task a worker died holding, startup failures that end, and no
 executor-internal exception reaching a user or a thread.
 
 The SIGKILL storm and the kill-mid-send scenarios run real process pools; the latter
@@ -10,7 +10,6 @@ the interpreter from exiting.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures as cf
 import errno
 import gc
 import json
@@ -29,10 +28,12 @@ import numpy as np
 import pytest
 
 import aioloader
-from aioloader import _pool, _reply, _shm
+from aioloader import _reply, _shm
+from aioloader._pool import procs
+from aioloader._validate import default_mp_context
 
 from . import _pool_helpers as H
-from ._datasets import CrashDataset, KillableDataset, RangeDataset, first_to_claim
+from ._datasets import KillableDataset, RangeDataset, first_to_claim
 from .conftest import wait_until
 
 REPO = Path(__file__).resolve().parents[1]
@@ -49,55 +50,29 @@ def thread_errors(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
 
 
 # --------------------------------------------------------------------------- replies
-def _foreign_origin(dirs: tuple[str, ...]) -> _reply.Origin:
-    """An origin that makes this process reply as a worker of another consumer would."""
-    return (1, _shm.host_key(), dirs)
+def _reply_of(value: Any) -> Any:
+    """What a borrowed executor's process would send back for ``value`` (raised, if an
+    exception): the reply, as it arrives here once unpickled."""
 
-
-def _reply_of(value: Any, dirs: tuple[str, ...] = ()) -> Any:
     def fn(task: Any) -> Any:
         if isinstance(value, BaseException):
             raise value
         return value
 
-    return _reply.Entry(fn, _foreign_origin(dirs))(None)
+    return pickle.loads(pickle.dumps(_reply.Entry(fn, (1, _shm.host_key()))(None)))
 
 
-def test_large_outcomes_are_spilled_and_unlinked_on_arrival(tmp_path: Path) -> None:
-    missing = str(tmp_path / "missing")
-    batch = {"x": np.arange(1 << 20, dtype=np.float32), "y": list(range(10))}
-    reply = _reply_of(batch, (missing, str(tmp_path)))
-    wire = pickle.dumps(reply)
-    assert len(wire) < 1024, "what crosses the pipe stays far below PIPE_BUF"
-    [spill] = [p for p in tmp_path.iterdir() if p.name.startswith(_shm.PREFIX)]
-    outcome = pickle.loads(wire)
-    assert not spill.exists(), "the consumer unlinks the spill file on arrival"
-    assert outcome.ok and outcome.value["y"] == batch["y"]
-    x = outcome.value["x"]
-    assert np.array_equal(x, batch["x"]) and x.flags.writeable
-
-
-def test_small_outcomes_and_remote_replies_stay_inline(tmp_path: Path) -> None:
-    small = _reply_of([1, 2, 3], (str(tmp_path),))
-    assert len(pickle.dumps(small)) <= _reply.INLINE_MAX and not list(tmp_path.iterdir())
-    assert pickle.loads(pickle.dumps(small)).value == [1, 2, 3]
-    remote = _reply.Entry(lambda t: np.ones(1 << 18), (1, ("another", 0, 0, 0), (str(tmp_path),)))(None)
-    assert not list(tmp_path.iterdir()), "a worker on another host never spills"
-    assert pickle.loads(pickle.dumps(remote)).value.sum() == 1 << 18
-
-
-def test_exceptions_travel_as_values_with_their_traceback(tmp_path: Path) -> None:
-    err = KeyError("x" * 20000)  # a large exception is spilled like a large batch
+def test_exceptions_travel_as_values_with_their_traceback() -> None:
+    err = KeyError("x" * 20000)
     aioloader.errors.add_note(err, "aioloader: raised by dataset[3]")  # 3.10 has no add_note
-    outcome = pickle.loads(pickle.dumps(_reply_of(err, (str(tmp_path),))))
-    assert not list(tmp_path.iterdir())
+    outcome = _reply_of(err)
     with pytest.raises(KeyError) as info:
         outcome.unwrap()
     assert "Traceback" in str(info.value.__cause__) and info.value.__notes__ == [
         "aioloader: raised by dataset[3]"
     ]
     # BaseExceptions too: a worker's SystemExit comes back as itself, not as a dead worker
-    outcome = pickle.loads(pickle.dumps(_reply_of(SystemExit(5))))
+    outcome = _reply_of(SystemExit(5))
     with pytest.raises(SystemExit) as sinfo:
         outcome.unwrap()
     # (args, not .code: tblib, which dask installs, rebuilds exceptions without __init__)
@@ -105,34 +80,25 @@ def test_exceptions_travel_as_values_with_their_traceback(tmp_path: Path) -> Non
 
 
 def test_a_result_that_cannot_be_pickled_arrives_as_its_error() -> None:
-    outcome = pickle.loads(pickle.dumps(_reply_of(threading.Lock())))
+    outcome = _reply_of(threading.Lock())
     with pytest.raises(TypeError, match="pickle") as info:
         outcome.unwrap()
     assert any("pickling a task's result" in n for n in info.value.__notes__)
 
 
-def test_sweep_removes_only_dead_workers_spill_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_reply, "spill_dirs", lambda: (str(tmp_path),))
-    dead = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
-    )
-    dead_pid = int(dead.stdout)
-    me = os.getpid()
-    gone = tmp_path / f"{_shm.PREFIX}{me}_{dead_pid}_spill0a0b0c0d_0"
-    live = tmp_path / f"{_shm.PREFIX}{me}_{me}_spill0a0b0c0d_0"
-    slab = tmp_path / f"{_shm.PREFIX}{me}_{dead_pid}_0a0b0c0d_0"  # shared memory's, not ours
-    for p in (gone, live, slab):
-        p.write_bytes(b"x")
-    assert _reply.sweep_spills([dead_pid]) == 1 and _reply.sweep_spills() == 0
-    assert not gone.exists() and live.exists() and slab.exists()
+def test_large_replies_travel_whole_through_the_channel() -> None:
+    batch = {"x": np.arange(1 << 22, dtype=np.float32), "y": list(range(10))}
+    with aioloader.WorkerPool(1) as pool:
+        got = pool.submit(dict, batch).result(timeout=60)
+    assert got["y"] == batch["y"] and np.array_equal(got["x"], batch["x"])
 
 
 # -------------------------------------------------------------------- kill mid-send
 @pytest.mark.slow
 def test_worker_killed_while_it_writes_its_batch_never_hangs(tmp_path: Path) -> None:
     """8 and 64 MiB batches, pickled and through shared memory, the worker SIGKILLed
-    inside the write of its result: every batch arrives, close() stops the executor's
-    manager thread, and the interpreter exits."""
+    inside the write of its result: every batch arrives, close() stops the pool's I/O
+    thread, and the interpreter exits."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
     proc = subprocess.run(
         [sys.executable, "-m", "tests._pool_helpers", "mid-send", str(tmp_path)],
@@ -148,7 +114,7 @@ def test_worker_killed_while_it_writes_its_batch_never_hangs(tmp_path: Path) -> 
     assert len(cases) == 4, proc.stdout + proc.stderr[-2000:]
     for case in cases:
         assert case["got"] == list(range(6)), case
-        assert case["managers"] == 0, case  # close() stopped the executor's manager thread
+        assert case["managers"] == 0, case  # close() stopped the pool's I/O thread
         assert case["in_write"] and case["restarts"] >= 1, case
 
 
@@ -208,8 +174,9 @@ def test_sigkill_storm_every_epoch_identical(
 # --------------------------------------------------------------- crash attribution
 @pytest.mark.parametrize("face", FACES)
 def test_killing_an_idle_worker_charges_nobody(tmp_path: Path, face: str) -> None:
-    """Worker A holds the only batch; worker B, started and idle, is killed. The pool
-    breaks, but B held nothing: with max_retries=0 the batch is simply run again."""
+    """Worker A holds the only batch; worker B, started and idle, is killed. Only B is
+    replaced: A keeps its pid and its batch. Then A is killed: with max_retries=1 the
+    batch runs once more and arrives, which it could not had B's death been charged."""
     marker, ready = tmp_path / "holder", tmp_path / "ready"
     ready.mkdir()
     ds = KillableDataset(4, 2, str(marker))
@@ -217,7 +184,7 @@ def test_killing_an_idle_worker_charges_nobody(tmp_path: Path, face: str) -> Non
         ds,
         4,
         num_workers=2,
-        max_retries=0,
+        max_retries=1,
         prefetch_next_epoch=False,
         worker_init_fn=H.ready_file(str(ready)),
     ) as loader:
@@ -234,51 +201,14 @@ def test_killing_an_idle_worker_charges_nobody(tmp_path: Path, face: str) -> Non
                 lambda: H.syscall_of(idle) in H.WAIT_SYSCALLS, 20.0, "the idle worker to wait for work"
             )
             os.kill(idle, signal.SIGKILL)
+            wait_until(lambda: idle not in loader.worker_pids() and len(loader.worker_pids()) == 2, 30.0,
+                       "the idle worker to be replaced")
+            assert holder in loader.worker_pids() and consumer.is_alive()  # A still holds its batch
+            os.kill(holder, signal.SIGKILL)
         finally:
             consumer.join(60)
         assert out and [b[1].tolist() for b in out[0]] == [[0, 1, 2, 3]]
-        assert loader.stats().restarts == 1
-
-
-def test_a_death_before_the_pool_watches_is_still_charged_to_its_holder(
-    tmp_path: Path, collect: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A worker can die holding its first batch before the launcher thread has added
-    its callbacks to the executor's watched future; the executor then fails that future
-    and stops the survivors before any callback runs. Forced here for two generations
-    in a row: each death is charged all the same (before, neither was, and the batch
-    ran four times for max_retries=1)."""
-    from multiprocessing.connection import wait as wait_ready
-
-    from aioloader import _generation, _worker
-
-    forced: list[int] = []
-    submit = _generation.Generation._submit
-
-    def late_watch(self: Any, fn: Any, *args: Any) -> Any:
-        if fn is _worker.noop and self.lanes is not None and len(forced) < 2:
-            forced.append(self.number)
-            # the batch that kills its worker is sent before the workers exist
-            assert wait_ready([p.sentinel for p in self.processes.values()], 60), "no worker died"
-            real = self.executor.submit
-
-            def submit_and_wait(*a: Any) -> Any:
-                fut = real(*a)
-                cf.wait([fut], 60)  # the executor saw the death: failed before a callback is added
-                assert fut.done()
-                return fut
-
-            self.executor.submit = submit_and_wait
-        return submit(self, fn, *args)
-
-    monkeypatch.setattr(_generation.Generation, "_submit", late_watch)
-    ds = CrashDataset(8, {6}, str(tmp_path), always=True)
-    with aioloader.DataLoader(ds, 4, num_workers=2, max_retries=1, prefetch_next_epoch=False) as loader:
-        with pytest.raises(aioloader.WorkerCrashedError) as info:
-            collect(loader)
-    assert len(forced) == 2
-    assert info.value.indices == [4, 5, 6, 7] and info.value.attempts == 2
-    assert (tmp_path / "crashed-6").read_text() == "xx"
+        assert loader.stats().restarts == 2 and loader.stats().retries == 1
 
 
 class _DiesOnceAsItStarts:
@@ -300,12 +230,11 @@ def test_a_worker_killed_as_it_starts_leaves_later_pools_working(
     tmp_path: Path, collect: Any, method: str
 ) -> None:
     """Regression: workers once claimed their row of the slot table under one lock per
-    start method for the whole process; a worker killed inside that section (a crash's
-    survivors are killed, so is a stuck start) left it held, and every later pool of
-    that start method waited for it for ever. Rows now come numbered with the process
-    object: a worker killed while it starts costs a restart, and each generation's
-    workers, and the next loader's, are numbered 0..n-1."""
-    ctx = _pool.default_mp_context() if method == "default" else "fork"
+    start method for the whole process; a worker killed inside that section left it
+    held, and every later pool waited for it for ever. Now a worker killed while it
+    starts costs a restart, and the live workers, and the next loader's, hold rows
+    0..n-1."""
+    ctx = default_mp_context() if method == "default" else "fork"
     ids = tmp_path / "ids"
     ids.mkdir()
     init = _DiesOnceAsItStarts(str(ids))
@@ -322,34 +251,13 @@ def test_a_worker_killed_as_it_starts_leaves_later_pools_working(
         assert sorted(int((ids / str(p)).read_text()) for p in pids) == [0, 1]
 
 
-def test_workers_share_no_lock_with_other_generations() -> None:
-    """What the regression above guards, where no kill can be aimed: a semaphore that
-    every worker takes as it starts, held by a worker that is killed, stops every pool
-    that shares it. Nothing a worker is given at its start is one."""
-    from multiprocessing.synchronize import SemLock
-
-    def locks(value: Any) -> list[Any]:
-        if isinstance(value, SemLock):
-            return [value]
-        if isinstance(value, (tuple, list)):
-            return [lock for v in value for lock in locks(v)]
-        if isinstance(value, dict):
-            return [lock for v in value.values() for lock in locks(v)]
-        return []
-
-    with aioloader.WorkerPool(2) as pool:
-        pool.start()
-        executor = pool.current().executor
-        assert isinstance(executor, cf.ProcessPoolExecutor)
-        assert not locks(executor._initargs)  # type: ignore[attr-defined]
-
-
 def test_repeated_startup_deaths_end_in_a_clear_error(collect: Any) -> None:
     with aioloader.DataLoader(H.DiesOnArrival(8), 4, num_workers=1) as loader:
         with pytest.raises(aioloader.PoolBrokenError, match="before they finish starting") as info:
             collect(loader)
         assert info.value.exitcode == 7 and "7" in str(info.value)
-        assert loader.stats().restarts == _pool.MAX_START_FAILURES
+        # each death but the last was replaced; the last ended the pool
+        assert loader.stats().restarts == procs.MAX_START_FAILURES - 1
 
 
 def test_a_payload_the_worker_cannot_load_raises_its_own_error(collect: Any) -> None:
@@ -388,7 +296,8 @@ class _FlakyProcess:
 def test_a_pool_failing_as_it_starts_is_rebuilt(
     collect: Any, monkeypatch: pytest.MonkeyPatch, exc: Exception
 ) -> None:
-    ctx = _pool.default_mp_context()
+    monkeypatch.setenv("AIOLOADER_FORKSERVER", "spawn")  # multiprocessing starts the workers
+    ctx = default_mp_context()
     monkeypatch.setattr(ctx, "Process", _FlakyProcess(type(ctx).Process, exc, fail=1))
     with aioloader.DataLoader(RangeDataset(16), 4, num_workers=2, mp_context=ctx) as loader:
         assert [b[1].tolist() for b in collect(loader)] == [
@@ -398,26 +307,6 @@ def test_a_pool_failing_as_it_starts_is_rebuilt(
             [12, 13, 14, 15],
         ]
         assert loader.stats().restarts >= 1
-
-
-@pytest.mark.parametrize(
-    ("factory", "code"), [("Lock", errno.EROFS), ("RawArray", errno.ENOSPC)], ids=["read-only", "full"]
-)
-def test_unusable_dev_shm_is_a_clear_error(
-    collect: Any, monkeypatch: pytest.MonkeyPatch, factory: str, code: int
-) -> None:
-    ctx = _pool.default_mp_context()
-
-    def refuse(*_: Any, **__: Any) -> Any:
-        raise OSError(code, os.strerror(code))
-
-    monkeypatch.setattr(ctx, factory, refuse)
-    with aioloader.DataLoader(
-        RangeDataset(8), 4, num_workers=2, mp_context=ctx, transport="pickle"
-    ) as loader:
-        with pytest.raises(aioloader.PoolBrokenError, match="/dev/shm") as info:
-            collect(loader)
-        assert os.strerror(code) in str(info.value) and info.value.errno == code
 
 
 @pytest.mark.parametrize("num_workers", [0, 2], ids=["thread", "processes"])
@@ -436,8 +325,8 @@ def test_a_break_after_cancelled_batches_does_not_kill_the_manager_thread(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Batches queued behind a stuck one are abandoned (the iterating task is
-    cancelled), then the worker dies: the executor fails every pending future, and one
-    cancelled by asyncio would have raised InvalidStateError in its manager thread."""
+    cancelled), then the worker dies: settling what it held must not fail in the
+    pool's I/O thread, and the loader stays usable."""
     marker = tmp_path / "holder"
     errors = thread_errors(monkeypatch)
 
@@ -455,7 +344,7 @@ def test_a_break_after_cancelled_batches_does_not_kill_the_manager_thread(
         task.cancel()  # what reaches the queued batches' futures is the question
         await asyncio.gather(task, return_exceptions=True)
         os.kill(int(marker.read_text()), signal.SIGKILL)
-        async for _ in loader:  # still usable, on a new generation
+        async for _ in loader:  # still usable, on the replacement worker
             pass
         await loader.aclose()
 
@@ -492,76 +381,6 @@ def test_a_multiprocessing_child_holding_a_loader_exits() -> None:
         for m in ("spawn", "forkserver", "fork")
         for h in ("return", "raise")
     }
-
-
-# -------------------------------------------------------------------- house rules
-def test_only_the_generation_module_reads_executor_internals() -> None:
-    """Executor internals are read in ``_generation.py`` alone (the lanes use the
-    executor's public ``submit`` only); the forkserver's and the resource tracker's in
-    ``_forkserver.py`` alone."""
-    executor = (
-        "_processes",
-        "_executor_manager_thread",
-        "_threads_queues",
-        "_global_shutdown",
-        "_max_workers",
-        "_register_atexit",
-        "_launch_processes",
-        "_call_queue",
-        "_pending_work_items",
-        "_work_ids",
-        "_shutdown_lock",
-        "_CallItem",
-    )
-    server = (
-        "forkserver._forkserver",
-        "_forkserver_pid",
-        "_forkserver_address",
-        "_forkserver_alive_fd",
-        "_resource_tracker",
-    )
-    pkg = Path(aioloader.__file__).resolve().parent
-    for path in pkg.rglob("*.py"):
-        text = path.read_text()
-        if path.name != "_generation.py":
-            assert not [n for n in executor if f".{n}" in text or f'"{n}"' in text], path.name
-        if path.name != "_forkserver.py":
-            assert not [n for n in server if n in text], path.name
-    dispatch = (pkg / "_engine" / "dispatch.py").read_text()
-    assert ".kind" not in dispatch and "thread_starts" not in dispatch
-
-
-def test_a_future_left_unsettled_by_a_retired_generation_is_reported_lost() -> None:
-    """The safety net behind "never hangs": once a process generation is retired, a
-    submission whose future it never settled is woken as lost (and so resubmitted)
-    instead of waiting for ever."""
-    import concurrent.futures as cf
-
-    from aioloader import _pool
-
-    pool = aioloader.WorkerPool(1)
-    try:
-        gen = pool.start()
-        stranded = _pool.Job(gen, task_id=-1, submit_ns=0, future=cf.Future())  # nobody will settle it
-        gen.jobs.add(stranded)
-
-        async def main() -> str:
-            waiting = asyncio.ensure_future(pool.result(stranded))
-            for _ in range(10_000):  # loop turns until the task waits (bounded, not timed)
-                if stranded.waiter is not None or waiting.done():
-                    break
-                await asyncio.sleep(0)
-            assert stranded.waiter is not None and not waiting.done()  # it waits on its waiter
-            await asyncio.get_running_loop().run_in_executor(None, _pool._release_stranded, gen)
-            try:
-                await asyncio.wait_for(waiting, 10)
-            except _pool.Lost:
-                return "lost"
-            return "settled"
-
-        assert asyncio.run(main()) == "lost"
-    finally:
-        pool.close()
 
 
 @pytest.mark.parametrize("transport", ["shm", "pickle"])

@@ -336,7 +336,7 @@ class Procs:
     def _watch(self) -> None:
         with self._lock:
             for w in self._workers:
-                if w is not None and w.out and not w.watched and w.code is None:
+                if w is not None and w.out and not w.watched and w.code is None and not w.eof:
                     self._sel.modify(w.fd, selectors.EVENT_READ | selectors.EVENT_WRITE, w)
                     w.watched = True
 
@@ -354,7 +354,7 @@ class Procs:
                 pass
             except OSError:  # the worker is gone: its death says what it held
                 out.clear()
-            if not out and w.watched and w.code is None:
+            if not out and w.watched and w.code is None and not w.eof:
                 self._sel.modify(w.fd, selectors.EVENT_READ, w)
                 w.watched = False
 

@@ -27,6 +27,7 @@ module never imports asyncio.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
 import mmap
@@ -333,4 +334,12 @@ def _after_fork_in_child() -> None:
     _zygote, _lock = None, threading.Lock()
 
 
+def _close_at_exit() -> None:
+    """Interpreter exit: the zygote ends once its socket closes."""
+    z = _zygote
+    if z is not None and z.consumer == os.getpid():
+        z.close()
+
+
 os.register_at_fork(after_in_child=_after_fork_in_child)
+atexit.register(_close_at_exit)
