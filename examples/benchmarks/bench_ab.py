@@ -18,6 +18,13 @@ medians settle to about a millisecond here::
 
     python examples/benchmarks/bench_ab.py /tmp/before . torch --workload cold --pairs 12
 
+``--workload pickled`` sends 108 KB pickled replies (batches of 64 samples of 1.7 KB
+bytes, ``transport="pickle"``); ``--workload jpeg`` is the suite's JPEG workload (2,048
+synthetic JPEGs, decode + crop + flip, batch 64) and reports images/s::
+
+    python examples/benchmarks/bench_ab.py /tmp/before . --workload pickled --pairs 4
+    python examples/benchmarks/bench_ab.py /tmp/before . --workload jpeg --pairs 3
+
 ``--one`` measures the aioloader that ``import aioloader`` finds (what each run does).
 """
 
@@ -36,7 +43,30 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import _bench_proc  # noqa: E402  (beside this script)
 
-WORKLOADS = {"tiny": (200_000, 256), "dispatch": (20_000, 1), "cold": (4_096, 64)}
+WORKLOADS = {
+    "tiny": (200_000, 256),
+    "dispatch": (20_000, 1),
+    "cold": (4_096, 64),
+    "pickled": (12_800, 64),
+    "jpeg": (2_048, 64),
+}
+
+
+class Blobs:
+    """Samples of 1.7 KB of bytes: a batch of 64, kept a list, pickles to about 108 KB."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> bytes:
+        return index.to_bytes(8, "little") * 212
+
+
+def as_list(samples: list[Any]) -> list[Any]:
+    return samples
 
 
 def _cpu_s(pid: int) -> float:
@@ -80,7 +110,19 @@ def one(workload: str, face: str, epochs: int, samples: int | None = None) -> st
 
     n, bs = WORKLOADS[workload]
     n = samples or n
-    loader: Any = aioloader.DataLoader(bd.IntDataset(n), bs, shuffle=True, seed=0, num_workers=2)
+    loader: Any
+    if workload == "pickled":
+        loader = aioloader.DataLoader(
+            Blobs(n), bs, shuffle=True, seed=0, num_workers=2, transport="pickle", collate_fn=as_list
+        )
+    elif workload == "jpeg":
+        from aioloader._formats.synthetic import default_cache, make_synthetic_jpegs
+
+        root = default_cache() / f"bench-jpegs-{n}"
+        make_synthetic_jpegs(root, n)
+        loader = aioloader.DataLoader(bd.jpeg_dataset(str(root)), bs, shuffle=True, seed=0, num_workers=2)
+    else:
+        loader = aioloader.DataLoader(bd.IntDataset(n), bs, shuffle=True, seed=0, num_workers=2)
 
     async def drain_async() -> int:
         return sum([1 async for _ in loader])
@@ -96,7 +138,8 @@ def one(workload: str, face: str, epochs: int, samples: int | None = None) -> st
     main_us = (time.process_time() - c0) / batches * 1e6
     workers_us = (sum(map(_cpu_s, pids)) - w0) / batches * 1e6
     loader.close()
-    return f"{batches / wall:7.0f} batches/s  main {main_us:4.0f} us a batch  workers {workers_us:4.0f} us a batch"
+    extra = f"  {batches * bs / wall:6.0f} images/s" if workload == "jpeg" else ""
+    return f"{batches / wall:7.0f} batches/s  main {main_us:4.0f} us a batch  workers {workers_us:4.0f} us a batch{extra}"
 
 
 def main() -> None:
@@ -125,6 +168,8 @@ def main() -> None:
     if args.samples:
         cmd += ["--samples", str(args.samples)]
     colds: dict[str, list[float]] = {}
+    rates: dict[str, list[float]] = {}
+    mains: dict[str, list[float]] = {}
     labelled = list(zip("ABC", sides, strict=False))
     for k in range(args.pairs):
         # The order rotates: a run is slowed by what the run before it left exiting, so
@@ -140,8 +185,17 @@ def main() -> None:
             print(f"{label} {line}", flush=True)
             if args.workload == "cold":
                 colds.setdefault(f"{label} ({tree})", []).append(float(line.split()[2]))
+            else:
+                words = line.split()
+                rates.setdefault(label, []).append(float(words[0]))
+                mains.setdefault(label, []).append(float(words[3]))
     for side, values in colds.items():
         print(f"{side}: median {statistics.median(values):.1f} ms, range {min(values):.1f}-{max(values):.1f}")
+    if "A" in rates and "B" in rates:
+        ra, rb = statistics.median(rates["A"]), statistics.median(rates["B"])
+        ma, mb = statistics.median(mains["A"]), statistics.median(mains["B"])
+        print(f"medians: A {ra:.0f} batches/s, {ma:.0f} us main CPU a batch; B {rb:.0f}, {mb:.0f}")
+        print(f"B/A: {rb / ra:.3f}x batches/s, {mb / ma:.3f}x main CPU a batch")
 
 
 if __name__ == "__main__":
