@@ -19,7 +19,6 @@ WORKER_SIDE = [
     "_slots.py",
     "_reply.py",
     "_channel.py",
-    "_forkserver_preload.py",
     "_orphan.py",
     "_byvalue.py",
     "_stream_worker.py",
