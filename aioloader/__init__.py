@@ -5,6 +5,7 @@ Public names are re-exported here; the implementation lives in private modules.
 
 from __future__ import annotations
 
+from . import _iterloader  # noqa: F401  (DataLoader(iterable_dataset) needs it)
 from ._collate import default_collate as default_collate
 from ._collate import default_convert as default_convert
 from ._plan.sampler import DistributedSampler as DistributedSampler

@@ -54,7 +54,7 @@ class ByValue(NamedTuple):
 class Inherited(NamedTuple):
     """A payload that holds ``multiprocessing`` primitives (``Value``, ``Lock``,
     ``Queue``, ...). Those pickle only while a process is being started, so it reaches
-    the workers as the pool's initializer argument, which multiprocessing pickles then,
+    the workers as an argument of the process multiprocessing starts, pickled then,
     never as bytes made in advance. It arrives in the worker already unpickled."""
 
     context: Any

@@ -23,29 +23,18 @@ __all__ = ["HEAD", "READ", "frame", "read_exact", "serve"]
 
 HEAD = struct.Struct("<Q")
 READ = 1 << 18  # most bytes one read takes from the socket
-_NO_HEAD = bytes(HEAD.size)
-
-
-class _Sink:
-    """The pickler's file: one buffer, the frame's head in front."""
-
-    __slots__ = ("buf",)
-
-    def __init__(self) -> None:
-        self.buf = bytearray(_NO_HEAD)
-
-    def write(self, data: Any) -> int:
-        self.buf += data
-        return len(data) if isinstance(data, (bytes, bytearray)) else memoryview(data).nbytes
 
 
 def frame(obj: Any) -> memoryview:
-    """``obj`` pickled behind its length, in one buffer (raises what pickling raises)."""
-    sink = _Sink()
-    ForkingPickler(sink, pickle.HIGHEST_PROTOCOL).dump(obj)
-    view = memoryview(sink.buf)
-    HEAD.pack_into(view, 0, len(view) - HEAD.size)
-    return view
+    """``obj`` pickled behind its length, in one buffer (raises what pickling raises).
+    multiprocessing's pickler (which knows its connections and sockets) only where the
+    plain one fails: it copies a table of reducers each time it is made."""
+    data: bytes | memoryview
+    try:
+        data = pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)
+    except Exception:
+        data = ForkingPickler.dumps(obj, pickle.HIGHEST_PROTOCOL)
+    return memoryview(HEAD.pack(len(data)) + bytes(data))
 
 
 def read_exact(fd: int, n: int) -> bytes | bytearray | None:

@@ -275,3 +275,6 @@ class _NoSamples:
 
     def __getitem__(self, i: int) -> Any:  # pragma: no cover - never read
         raise IndexError(i)
+
+
+DataLoader._iterable_cls = IterableDataLoader  # DataLoader(iterable_dataset) makes one of these

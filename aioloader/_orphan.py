@@ -1,8 +1,8 @@
 """The orphan watch of an owned worker: when the consumer process dies (SIGKILL, the OOM
 killer), run the cleanup hooks registered here and end the worker.
 
-A worker's parent is the forkserver, not the consumer, and the executor's queues do not
-tell a blocked worker that the consumer is gone: without this watch such workers would
+A worker's parent is the pool's zygote, not the consumer, and a worker busy in a sample
+does not read its channel, whose end would tell it that the consumer is gone: without this watch such workers would
 live on forever, holding their shared-memory slabs. Worker side: never imports asyncio.
 """
 

@@ -32,8 +32,8 @@ import numpy as np
 
 # numpy imports numpy.random on first use (15-20 ms, 13 modules). Import it with the worker
 # side instead, which `import aioloader` loads too: the consumer's first shuffled plan
-# (its round keys) and every worker's first batch would otherwise pay for it, and a
-# forkserver forked from (or preloading) this module hands it to the workers.
+# (its round keys) and every worker's first batch would otherwise pay for it, and the
+# pool's zygote, forked from a process that imported it, hands it to the workers.
 import numpy.random
 
 __all__ = [

@@ -71,7 +71,7 @@ class LoaderStats:
     retries: int
     """Batches resubmitted after a worker died or needed the dataset."""
     restarts: int
-    """Times the pool was rebuilt after a crash or a timeout."""
+    """Workers replaced after a crash or a timeout."""
     skipped: int
     """Samples dropped by ``on_error="skip"``."""
     active_s: float = 0.0

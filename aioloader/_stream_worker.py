@@ -9,7 +9,7 @@ consumer's process.
 
 The stream's ``fn``, ``collate_fn`` and options reach a worker once, as the pickled
 payload of a :class:`StreamContext` (the same protocol as a DataLoader's dataset:
-installed by an owned pool's initializer, or sent on demand after
+installed as an owned worker starts, or sent on demand after
 :data:`~aioloader._worker.NEED_PAYLOAD`). In thread mode the context object itself
 rides along with every task, so nothing is pickled.
 

@@ -1,7 +1,7 @@
 """How a finished batch travels from a worker to the consumer.
 
-``pickle``: the batch is the task's return value; the executor pickles it through its
-result pipe. The only transport for threads (``num_workers=0``, where nothing is copied
+``pickle``: the batch is the task's return value, pickled into the reply (an owned
+worker's channel, or a borrowed executor's own way home). The only transport for threads (``num_workers=0``, where nothing is copied
 anyway) and, unless asked otherwise, for borrowed executors (they may run elsewhere).
 
 ``shm``: array leaves travel through shared memory (see :mod:`aioloader._shm` for the

@@ -177,7 +177,7 @@ def check_map_dataset(dataset: Any) -> int:
         raise TypeError(
             f"dataset must be map-style (define __len__ and __getitem__), got {type(dataset).__name__}"
         )
-    from ._plan.sampler import dataset_length
+    from ._plan.indices import dataset_length
 
     return dataset_length(dataset)
 

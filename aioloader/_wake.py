@@ -1,6 +1,6 @@
 """Waking an event loop from other threads, a burst at a time.
 
-The executor's manager thread settles one result after another, and the ``for`` face's
+The pool's I/O thread settles one job after another, and the ``for`` face's
 consumer thread frees one window slot after another; waking the loop for each
 (``call_soon_threadsafe``: a write to the loop's wake-up pipe, one more loop iteration, a
 GIL hand-off) was one of the main process's largest costs per batch. A :class:`Waker`

@@ -2,7 +2,7 @@
 
 A loader's dataset (or a stream's ``fn``), collate function and options travel to a
 worker once, as a pickled *payload* keyed by a token. An owned pool installs the
-payloads of its loaders when each worker starts (the pool's initializer); any other
+payloads of its loaders when each worker starts (:func:`worker_main`); any other
 executor learns them lazily: a task whose token the worker has not seen comes back as
 :data:`NEED_PAYLOAD`, and the dispatcher resubmits it once with the payload attached.
 Either way a task carries only its indices (or items) and a little metadata.
@@ -143,11 +143,11 @@ class WorkerContext:
 _contexts: OrderedDict[str, WorkerContext] = OrderedDict()
 _contexts_lock = threading.Lock()
 
-_startup_error: BaseException | None = None  # what kept this worker's initializer from finishing
+_startup_error: BaseException | None = None  # what kept this worker's start from finishing
 
 
 def install_context(token: str, ctx: WorkerContext) -> None:
-    """Register a loader's context in this process (thread mode and initializers)."""
+    """Register a loader's context in this process (thread mode and a worker's start)."""
     with _contexts_lock:
         _contexts[token] = ctx
         _contexts.move_to_end(token)
@@ -161,8 +161,8 @@ def forget_context(token: str) -> None:
     _load_errors.pop(token, None)
 
 
-# Tokens whose payload this worker's initializer could not unpickle, with the reason:
-# each task of that loader raises it (a failing initializer would instead break the pool,
+# Tokens whose payload this worker could not unpickle as it started, with the reason:
+# each task of that loader raises it (a failing start would instead kill the worker,
 # and every batch would look lost to a dying worker).
 _load_errors: dict[str, BaseException] = {}
 

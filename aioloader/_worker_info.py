@@ -1,7 +1,7 @@
 """Who this worker is, and ``torch.utils.data.get_worker_info()`` as torch's own workers
 answer it (id, num_workers, seed, dataset).
 
-An owned process pool's initializer sets :data:`worker_id` and :data:`num_workers`;
+An owned worker sets :data:`worker_id` and :data:`num_workers` as it starts;
 elsewhere (threads, borrowed executors) they stay ``0`` and torch's answer stays
 ``None``, as in torch's main process. This module never imports torch (torch keeps the
 answer in a module global, set here only where torch is already imported) nor asyncio.

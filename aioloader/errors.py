@@ -12,7 +12,7 @@ The tree::
     ├── LoaderClosedError        (also RuntimeError)  iterating or using a closed loader/pool
     ├── RemoteError              (also RuntimeError)  user code raised an unpicklable exception
     ├── WorkerCrashedError       (also RuntimeError)  a batch kept killing its worker
-    ├── PoolBrokenError          (also RuntimeError)  an executor we may not rebuild broke
+    ├── PoolBrokenError          (also RuntimeError)  the pool cannot run anything
     ├── LoaderTimeout            (also TimeoutError)  a batch ran longer than ``timeout``
     ├── DeadlineExceeded         (also TimeoutError)  a Batcher request's deadline passed
     ├── Overloaded               (also RuntimeError)  a Batcher refused a request (full, or too late)
@@ -119,13 +119,14 @@ class WorkerCrashedError(AioLoaderError, RuntimeError):
 
 
 class PoolBrokenError(AioLoaderError, RuntimeError):
-    """A worker died in an executor aioloader does not own, so it cannot rebuild it."""
+    """The pool cannot run anything: a borrowed executor broke (aioloader may not rebuild
+    it), or the pool's own workers keep dying before they finish starting."""
 
 
 class LoaderTimeout(AioLoaderError, TimeoutError):
     """A batch was not delivered within ``timeout`` seconds of a worker starting it.
 
-    The stuck worker was killed and the pool rebuilt; the loader stays usable.
+    The stuck worker was killed and replaced; the loader stays usable.
     Attributes: ``indices``, ``timeout``.
     """
 

@@ -153,13 +153,13 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
     """
 
     _kind = "DataLoader"
+    # The class that iterates a torch IterableDataset in the workers themselves: set by
+    # aioloader._iterloader, which subclasses this one, as it is imported.
+    _iterable_cls: type[DataLoader[Any]] | None = None
 
     def __new__(cls, dataset: Any = None, *args: Any, **kwargs: Any) -> DataLoader[Any]:
-        # A torch IterableDataset is iterated by the workers themselves (aioloader._iterloader).
-        if cls is DataLoader and is_iterable_dataset(dataset):
-            from ._iterloader import IterableDataLoader
-
-            return super().__new__(IterableDataLoader)
+        if cls is DataLoader and is_iterable_dataset(dataset) and DataLoader._iterable_cls is not None:
+            return super().__new__(DataLoader._iterable_cls)
         return super().__new__(cls)
 
     def __init__(

@@ -151,3 +151,70 @@ def test_public_faces_keep_their_names_and_say_so() -> None:
 
 def test_package_ships_py_typed() -> None:
     assert (PKG / "py.typed").exists()
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Module -> the aioloader modules it imports, at any depth of its code."""
+    mods: dict[str, Path] = {}
+    for path in PKG.rglob("*.py"):
+        parts = path.relative_to(PKG.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        mods[name] = path
+    graph: dict[str, set[str]] = {name: set() for name in mods}
+    for name, path in mods.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        tree = ast.parse(path.read_text())
+        typing_only = {
+            id(n)
+            for block in ast.walk(tree)
+            if isinstance(block, ast.If) and ast.unparse(block.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+            for n in ast.walk(block)
+        }
+        for node in ast.walk(tree):
+            if id(node) in typing_only:  # for annotations only: no import at run time
+                continue
+            found: list[str] = []
+            if isinstance(node, ast.Import):
+                found = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    base = ".".join([*up, base] if base else up)
+                found = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+            graph[name].update(t for t in found if t in mods and t != name and t != "aioloader")
+    return graph
+
+
+def test_no_import_circle() -> None:
+    graph = _module_graph()
+    state: dict[str, int] = {}
+
+    def visit(name: str, trail: list[str]) -> None:
+        state[name] = 1
+        for dep in sorted(graph[name]):
+            if state.get(dep) == 1:
+                cycle = trail[trail.index(dep) :] if dep in trail else [dep]
+                raise AssertionError("import circle: " + " -> ".join([*cycle, dep]))
+            if dep not in state:
+                visit(dep, [*trail, dep])
+        state[name] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+
+
+def test_imports_flow_down_faces_engine_pool_worker_side() -> None:
+    # The pool never reaches up into the engine or a face; the engine never into a face.
+    graph = _module_graph()
+    faces = {"aioloader.loader", "aioloader.stream", "aioloader.serving", "aioloader._facade", "aioloader._iterloader"}
+    for name, deps in graph.items():
+        if name.startswith("aioloader._pool"):
+            bad = {d for d in deps if d.startswith("aioloader._engine") or d in faces}
+            assert not bad, f"{name} imports {bad}"
+        if name.startswith("aioloader._engine"):
+            assert not deps & faces, f"{name} imports {deps & faces}"
+        if name in ("aioloader._worker", "aioloader._channel", "aioloader._reply", "aioloader._slots"):
+            bad = {d for d in deps if d.startswith(("aioloader._pool", "aioloader._engine")) or d in faces}
+            assert not bad, f"{name} imports {bad}"

@@ -1,8 +1,8 @@
 """Grouping: several cheap batches in one pool task, a policy on the run.
 
-Each pool task costs the consumer's process the same whatever it holds: the executor's
-future and its wake-ups, pickling the task in the feeder thread, unpickling the reply in
-the manager thread, and waking the loop. When a batch takes a worker less than that
+Each pool task costs the consumer's process the same whatever it holds: its job and
+wake-ups, pickling the task, unpickling the reply in the pool's I/O thread, and waking
+the loop. When a batch takes a worker less than that
 (small samples), those costs, not the workers, bound the loader. So when batches are
 cheap, the run gives a worker several of them in one task:
 

@@ -17,6 +17,8 @@ from .._wake import Waker
 
 __all__ = ["Job", "Lost"]
 
+_settling = threading.Lock()  # one for all jobs: held for two assignments, never contended long
+
 
 class Lost(Exception):
     """Pool → dispatcher, never to a user: the task did not come back.
@@ -44,7 +46,7 @@ class Job:
     """One submission of one task: what to run, and, once settled, its outcome."""
 
     __slots__ = (
-        "__weakref__", "args", "callback", "done", "fn", "lost", "outcome", "seq", "settle_lock",
+        "__weakref__", "args", "callback", "done", "fn", "lost", "outcome", "seq",
         "stopped", "submit_ns", "task_id", "waiter", "waker", "worker",
     )  # fmt: skip
 
@@ -64,12 +66,11 @@ class Job:
         self.waiter: Any = None  # the asyncio future the awaiting task waits on
         self.waker: Waker | None = None
         self.callback: Callable[[Job], None] | None = None  # the Executor face's future
-        self.settle_lock = threading.Lock()
 
     def settle(self, outcome: Outcome | None = None, lost: Lost | None = None) -> bool:
         """Give the job its outcome (or say it is lost), once; wakes whoever waits.
         Returns whether this call settled it."""
-        with self.settle_lock:
+        with _settling:
             if self.done:
                 return False
             self.outcome, self.lost, self.done = outcome, lost, True

@@ -78,8 +78,8 @@ class _Worker:
     """One worker process as the pool sees it."""
 
     __slots__ = (
-        "born_ns", "channel", "code", "eof", "fd", "inbuf", "kill_asked", "out", "pid", "process",
-        "ready", "sent", "seqs", "slot", "watched", "why_killed",
+        "born_ns", "channel", "code", "end", "eof", "fd", "inbuf", "kill_asked", "out", "pid", "process",
+        "ready", "sent", "seqs", "slot", "start", "watched", "why_killed",
     )  # fmt: skip
 
     def __init__(self, slot: int, channel: socket.socket) -> None:
@@ -90,7 +90,8 @@ class _Worker:
         self.process: Any = None  # multiprocessing's Process, where it started this one
         self.sent: collections.deque[Job] = collections.deque()  # unanswered, in channel order
         self.out: collections.deque[memoryview] = collections.deque()  # what the socket did not take yet
-        self.inbuf = bytearray()
+        self.inbuf = bytearray(READ)  # what it wrote: frames in [start, end)
+        self.start = self.end = 0
         self.watched = False  # the I/O thread waits for the socket to take more
         self.seqs = 0  # jobs sent on this channel
         self.born_ns = time.monotonic_ns()
@@ -359,41 +360,82 @@ class Procs:
                 w.watched = False
 
     def _read(self, w: _Worker, dying: bool = False) -> None:
+        """Read what ``w`` wrote into its buffer, and settle the replies it completes.
+
+        One buffer a worker, reused (a fresh buffer for each read would be allocated,
+        faulted in and freed by the kernel each time); a frame larger than it gets a
+        buffer of its own size, read into directly. Each reply is unpickled from the
+        buffer before the next read."""
         while True:
+            buf = w.inbuf
+            if w.end == len(buf):
+                if not self._make_room(w):
+                    break
+                buf = w.inbuf
             try:
-                chunk = os.read(w.fd, READ)
+                with memoryview(buf) as view:
+                    n = os.readv(w.fd, [view[w.end :]])
             except BlockingIOError:
                 break
             except OSError:
-                chunk = b""
-            if not chunk:
+                n = 0
+            if not n:
                 if not dying:
                     self._ended_channel(w)
                 break
-            w.inbuf += chunk
-            if len(chunk) < READ:
+            w.end += n
+            if w.end < len(buf):
                 break
+            self._replies(w)  # the buffer is full: what it completes goes now
         self._replies(w)
 
+    def _make_room(self, w: _Worker) -> bool:
+        """The buffer is full: drop what was consumed, or grow it to the frame it holds.
+        ``False`` if it holds complete frames still to settle."""
+        buf, start, end = w.inbuf, w.start, w.end
+        need = len(buf)
+        if end - start >= HEAD.size:
+            (size,) = HEAD.unpack_from(buf, start)
+            need = HEAD.size + size
+            if end - start >= need:
+                return False
+        if start == 0 and need > len(buf):
+            bigger = bytearray(need)
+            bigger[:end] = buf[:end]
+            w.inbuf = bigger
+        elif start > 0:
+            if need > len(buf) - start:
+                room = bytearray(max(need, READ))
+                room[: end - start] = buf[start:end]
+                w.inbuf = room
+            else:
+                buf[: end - start] = buf[start:end]
+            w.start, w.end = 0, end - start
+        return True
+
     def _replies(self, w: _Worker) -> None:
-        buf, pos, replies = w.inbuf, 0, []
-        with memoryview(buf) as view:
-            while len(buf) - pos >= HEAD.size:
-                (size,) = HEAD.unpack_from(buf, pos)
-                end = pos + HEAD.size + size
-                if len(buf) < end:
-                    break
-                replies.append(bytes(view[pos + HEAD.size : end]))
-                pos = end
-        del buf[:pos]
-        if not replies:
+        buf, pos, end = w.inbuf, w.start, w.end
+        spans = []
+        while end - pos >= HEAD.size:
+            (size,) = HEAD.unpack_from(buf, pos)
+            stop = pos + HEAD.size + size
+            if end < stop:
+                break
+            spans.append((pos + HEAD.size, stop))
+            pos = stop
+        if pos == end:  # all consumed: start over, and give back a buffer grown for a large frame
+            pos = end = 0
+            if len(buf) > READ:
+                w.inbuf = bytearray(READ)
+        w.start, w.end = pos, end
+        if not spans:
             return
         jobs = []
         now = time.monotonic_ns()
         with self._lock:
             w.ready = True
             self._start_failures = 0
-            for _ in replies:
+            for _ in spans:
                 job = w.sent.popleft() if w.sent else None
                 if job is not None:
                     self._observe(now - job.submit_ns)
@@ -401,10 +443,12 @@ class Procs:
             self._flush_pending(w)
             self._idle.notify_all()
         self._settle_unsent()
-        for job, data in zip(jobs, replies, strict=True):
-            outcome = _reply.arrived(data)  # even with nobody waiting: it frees what the reply holds
-            if job is not None:
-                job.settle(outcome)
+        with memoryview(buf) as view:
+            for job, (a, b) in zip(jobs, spans, strict=True):
+                with view[a:b] as data:
+                    outcome = _reply.arrived(data)  # even with nobody waiting: it frees what the reply holds
+                if job is not None:
+                    job.settle(outcome)
 
     def _observe(self, ns: int) -> None:
         t = self.task_ns

@@ -25,11 +25,11 @@ Ownership rules
    slab). The resource tracker is never involved: in 3.11 it would register the segment
    again in every attaching process and unlink it twice.
 2. **The consumer unlinks on arrival.** When a descriptor is unpickled in the consumer
-   (in the executor's result thread, before anyone awaits it) the consumer maps the
+   (in the pool's I/O thread, before anyone awaits it) the consumer maps the
    slab, the first time it sees it, and unlinks its name. From then on the slab has no
    name: it is two mappings and disappears with the last of them. A name therefore
    exists only between a slab's creation and the arrival of the first batch written to
-   it (milliseconds, once per slab); reused slabs cross the pipe as names already gone.
+   it (milliseconds, once per slab); reused slabs cross the channel as names already gone.
 3. **Occupancy is a state word.** A worker writes only into a slab whose state is 0, and
    stores its ticket there before writing. The consumer stores 0 again when the last
    array viewing the batch is gone: the arrays' ``base`` chain ends in an owner object
