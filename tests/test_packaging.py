@@ -240,8 +240,9 @@ def test_ab_benchmark_measures_both_checkouts(tmp_path: Path) -> None:
     same tree twice here, on a few hundred batches."""
     args = ["--workload", "dispatch", "--samples", "300", "--epochs", "2", "--pairs", "1"]
     proc = _bench_ab(tmp_path, str(ROOT), str(ROOT), *args)
-    lines = [line for line in proc.stdout.splitlines() if "batches/s" in line]
+    lines = [line for line in proc.stdout.splitlines() if "batches/s" in line and line[:2] in ("A ", "B ")]
     assert [line[0] for line in lines] == ["A", "B"], proc.stdout
+    assert "B/A:" in proc.stdout, proc.stdout  # the ratio of the medians
     for line in lines:
         rate = float(line.split()[1])
         assert rate > 0 and "main" in line and "workers" in line, line
