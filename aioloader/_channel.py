@@ -19,22 +19,26 @@ from collections.abc import Callable
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-__all__ = ["HEAD", "READ", "frame", "read_exact", "serve"]
+__all__ = ["HEAD", "READ", "frame", "pickled", "read_exact", "serve"]
 
 HEAD = struct.Struct("<Q")
 READ = 1 << 18  # most bytes one read takes from the socket
 
 
-def frame(obj: Any) -> memoryview:
-    """``obj`` pickled behind its length, in one buffer (raises what pickling raises).
-    multiprocessing's pickler (which knows its connections and sockets) only where the
-    plain one fails: it copies a table of reducers each time it is made."""
-    data: bytes | memoryview
+def pickled(obj: Any) -> bytes:
+    """``obj`` pickled for a channel (raises what pickling raises). multiprocessing's
+    pickler (which knows its connections and sockets) only where the plain one fails:
+    it copies a table of reducers each time it is made."""
     try:
-        data = pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)
+        return pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)
     except Exception:
-        data = ForkingPickler.dumps(obj, pickle.HIGHEST_PROTOCOL)
-    return memoryview(HEAD.pack(len(data)) + bytes(data))
+        return bytes(ForkingPickler.dumps(obj, pickle.HIGHEST_PROTOCOL))
+
+
+def frame(obj: Any) -> memoryview:
+    """``obj`` pickled behind its length, in one buffer."""
+    data = pickled(obj)
+    return memoryview(HEAD.pack(len(data)) + data)
 
 
 def read_exact(fd: int, n: int) -> bytes | bytearray | None:

@@ -69,6 +69,7 @@ LONG_NS = 3_000_000  # jobs this long (on average) go one to a worker at a time
 MAX_START_FAILURES = 3
 _ALPHA = 0.25  # weight of the newest job in the average
 _SOCKBUF = 1 << 20  # send buffer asked of each channel's consumer end
+_JOIN_MAX = 1 << 16  # a task pickle up to this size is sent behind its head in one buffer
 
 _live: weakref.WeakSet[Procs] = weakref.WeakSet()
 exiting = False  # set by the exit hook: from then on no worker starts
@@ -257,14 +258,18 @@ class Procs:
         cannot be pickled is not sent: its error comes back as its outcome, to settle
         once the lock is released."""
         try:
-            data = _channel.frame((job.fn, job.args))
+            data = _channel.pickled((job.fn, job.args))
         except BaseException as exc:
             traceback.clear_frames(exc.__traceback__)
             return _reply.Outcome(False, exc)
         job.worker, job.seq = w, w.seqs
         w.seqs += 1
         w.sent.append(job)
-        self._put(w, data)
+        if len(data) <= _JOIN_MAX:
+            self._put(w, memoryview(HEAD.pack(len(data)) + data))
+        else:  # a batch of fetched payloads: its head goes first, the pickle as it is (no copy)
+            self._put(w, memoryview(HEAD.pack(len(data))))
+            self._put(w, memoryview(data))
         return None
 
     def _put(self, w: _Worker, data: memoryview) -> None:
