@@ -79,10 +79,18 @@ class _SpawningProbe:
 def pickles_at_process_start(obj: object) -> None:
     """Pickle ``obj`` as multiprocessing will when a worker starts; raises what that
     would raise (a primitive of another start method, an unpicklable member)."""
-    from multiprocessing import context, reduction
+    from multiprocessing import context, reduction, synchronize
 
     class Probe(reduction.ForkingPickler):
-        pass
+        def persistent_id(self, o: Any) -> None:
+            # A lock made for fork has no name: 3.11 and later refuse it with this
+            # message as it pickles; 3.10 pickles it, and the worker crashes using it.
+            if isinstance(o, synchronize.SemLock):
+                state = o.__getstate__()  # the pickle protocol's own call (we are "spawning")
+                if isinstance(state, tuple) and state and state[-1] is None:
+                    raise RuntimeError(
+                        "A SemLock created in a fork context is being shared with a process in a spawn context"
+                    )
 
     previous = context.get_spawning_popen()
     context.set_spawning_popen(_SpawningProbe())  # type: ignore[arg-type]

@@ -156,7 +156,7 @@ def test_worker_pids_and_stats_are_safe_from_any_thread_at_any_moment() -> None:
                     loader.worker_pids()
                     loader.stats()
                     calls[0] += 1
-                except BaseException as exc:  # noqa: BLE001 - any error is the finding
+                except BaseException as exc:  # any error is the finding
                     errors.append(exc)
 
     t = threading.Thread(target=hammer)
