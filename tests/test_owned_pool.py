@@ -165,14 +165,17 @@ def test_worker_pids_and_stats_are_safe_from_any_thread_at_any_moment() -> None:
         for round_ in range(3):
             loader = aioloader.DataLoader(list(range(32)), 4, num_workers=2)
             loaders.append(loader)
-            it = iter(loader)  # starts the pool while the other thread asks
-            next(it)
-            pid = loader.worker_pids()[round_ % 2]
-            os.kill(pid, signal.SIGKILL)  # a death and a replacement while it asks
-            rest = list(it)
-            assert len(rest) == 7
-            loader.close()  # and a close
-            loaders.remove(loader)
+            try:
+                it = iter(loader)  # starts the pool while the other thread asks
+                next(it)
+                wait_until(lambda loader=loader: len(loader.worker_pids()) == 2, 30.0, "both workers' pids")
+                pid = loader.worker_pids()[round_ % 2]
+                os.kill(pid, signal.SIGKILL)  # a death and a replacement while it asks
+                rest = list(it)
+                assert len(rest) == 7
+            finally:
+                loader.close()  # and a close
+                loaders.remove(loader)
     finally:
         stop.set()
         t.join(30)

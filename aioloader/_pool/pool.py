@@ -96,9 +96,11 @@ class WorkerPool(cf.Executor):
         self._zygote: _zygote.Zygote | None = None
         if self._context is not None and self._context.get_start_method() == "forkserver":
             self._zygote = _zygote.get(make=True)  # now, before the event loop's thread exists
-        # The finalizer must not reference self: it gets a box holding the live backend.
+        # The finalizer must not reference self: it gets boxes holding the live backend
+        # and the pool's zygote.
         self._box: list[Backend | None] = [None]
-        self._finalizer = weakref.finalize(self, WorkerPool._close_box, self._box)
+        self._zbox: list[_zygote.Zygote | None] = [self._zygote]
+        self._finalizer = weakref.finalize(self, WorkerPool._close_box, self._box, self._zbox)
         self._restarts_before = 0  # replacements counted by backends already closed
 
     @property
@@ -188,7 +190,7 @@ class WorkerPool(cf.Executor):
         if zygote is not None and (zygote.dead or zygote.consumer != os.getpid()):
             zygote = self._zygote = None
         if zygote is None and self._context.get_start_method() == "forkserver":
-            zygote = self._zygote = _zygote.get(make=True)
+            zygote = self._zygote = self._zbox[0] = _zygote.get(make=True)
         return _procs.Procs(self.num_workers, self._context, self._payloads_now, zygote)
 
     def _retire(self, backend: Backend) -> None:
@@ -315,10 +317,13 @@ class WorkerPool(cf.Executor):
         self._finalizer()
 
     @staticmethod
-    def _close_box(box: list[Backend | None]) -> None:
+    def _close_box(box: list[Backend | None], zbox: list[_zygote.Zygote | None]) -> None:
         backend, box[0] = box[0], None
         if backend is not None:
             backend.close(grace=0.25)
+        zygote, zbox[0] = zbox[0], None
+        if zygote is not None and zygote.consumer == os.getpid():
+            zygote.close()
 
     def __enter__(self) -> WorkerPool:
         return self

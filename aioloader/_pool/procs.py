@@ -531,7 +531,9 @@ class Procs:
                 with contextlib.suppress(KeyError, ValueError):
                     self._sel.unregister(w.fd)
             w.eof = True
-            _, phase, seq, _ = self.slots.row(w.slot) if w.pid else (0, Slots.STARTING, -1, 0)
+            pid, phase, seq, _ = self.slots.row(w.slot) if w.pid else (0, Slots.STARTING, -1, 0)
+            if pid != w.pid:  # it died before it claimed its row: the row is its predecessor's
+                phase, seq = Slots.STARTING, -1
             started = w.ready or phase >= Slots.READY
             settle: list[tuple[Job, Lost]] = []
             requeue: list[Job] = []

@@ -39,6 +39,7 @@ import sys
 import threading
 import types
 import warnings
+import weakref
 from typing import Any
 
 __all__ = ["ENV", "Zygote", "get", "server_pid", "usable"]
@@ -50,7 +51,8 @@ ZYGOTE_NAME = b"aioloader-zyg"
 WORKER_NAME = b"aioloader-work"
 
 _lock = threading.Lock()
-_zygote: Zygote | None = None
+_zygote: Zygote | None = None  # the newest one (what server_pid names)
+_made: weakref.WeakSet[Zygote] = weakref.WeakSet()
 
 
 def _native_threads() -> int | None:
@@ -82,15 +84,14 @@ def server_pid() -> int | None:
 
 
 def get(make: bool) -> Zygote | None:
-    """This process's zygote: forked now if ``make`` and it is safe, else ``None``."""
+    """A zygote of its own for a new pool, forked now if ``make`` and it is safe, else
+    ``None``. One a pool: its reports (forks, exit codes) then have one reader."""
     global _zygote
-    if os.environ.get(ENV, "").lower() == "spawn":
+    if not make or os.environ.get(ENV, "").lower() == "spawn":
         return None
     with _lock:
-        z = _zygote
-        if z is not None and (z.consumer != os.getpid() or z.dead):
-            z = _zygote = None
-        if z is None and make and usable():
+        z = None
+        if usable():
             with contextlib.suppress(OSError):
                 z = _zygote = Zygote.fork()
         return z
@@ -106,6 +107,10 @@ class Zygote:
         self.consumer = os.getpid()
         self.dead = False
         self.send_lock = threading.Lock()
+
+    def __del__(self) -> None:  # a pool gone without closing it: its zygote ends with it
+        with contextlib.suppress(Exception):
+            self.sock.close()
 
     @classmethod
     def fork(cls) -> Zygote:
@@ -128,7 +133,9 @@ class Zygote:
             finally:
                 os._exit(code)
         theirs.close()
-        return cls(pid, ours)
+        z = cls(pid, ours)
+        _made.add(z)
+        return z
 
     def request(self, slot: int, channel: int, table: int, table_size: int, workers: int) -> None:
         """Ask for a worker in ``slot`` (its channel and slot table's descriptors are
@@ -330,15 +337,15 @@ def _mode(proc: str, fd: str) -> int | None:
 def _after_fork_in_child() -> None:
     """A child forked from this process (the zygote, its workers, a user's fork) does
     not own this process's zygote: it would fork its workers from another's."""
-    global _zygote, _lock
-    _zygote, _lock = None, threading.Lock()
+    global _zygote, _lock, _made
+    _zygote, _lock, _made = None, threading.Lock(), weakref.WeakSet()
 
 
 def _close_at_exit() -> None:
-    """Interpreter exit: the zygote ends once its socket closes."""
-    z = _zygote
-    if z is not None and z.consumer == os.getpid():
-        z.close()
+    """Interpreter exit: the zygotes end once their sockets close."""
+    for z in list(_made):
+        if z.consumer == os.getpid():
+            z.close()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
