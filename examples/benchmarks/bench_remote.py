@@ -221,7 +221,7 @@ def run_child(spec: dict[str, Any], server_pid: int, timeout: float) -> dict[str
     done = threading.Event()
 
     def sample() -> None:
-        while not done.wait(0.2):
+        while not done.wait(0.02):  # often: a short run starts its workers and ends within 0.2 s
             pss, rss, roles = tree_memory_mb(proc.pid)
             # the most processes the run had at once (a worker that starts late still counts)
             peak["processes"] = max(peak["processes"], sum(map(len, roles.values())))
