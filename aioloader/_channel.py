@@ -19,10 +19,11 @@ from collections.abc import Callable
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-__all__ = ["HEAD", "READ", "frame", "pickled", "read_exact", "serve"]
+__all__ = ["HEAD", "JOIN_MAX", "READ", "frame", "frame_parts", "pickled", "read_exact", "serve"]
 
 HEAD = struct.Struct("<Q")
 READ = 1 << 18  # most bytes one read takes from the socket
+JOIN_MAX = 1 << 16  # a pickle up to this size is copied behind its head, into one buffer
 
 
 def pickled(obj: Any) -> bytes:
@@ -37,7 +38,19 @@ def pickled(obj: Any) -> bytes:
 
 def frame(obj: Any) -> memoryview:
     """``obj`` pickled behind its length, in one buffer."""
+    return _join(pickled(obj))
+
+
+def frame_parts(obj: Any) -> tuple[memoryview, ...]:
+    """``obj``'s frame as buffers to write in order: one, or for a large pickle (a
+    batch of fetched payloads) its head and the pickle as it is, not copied behind it."""
     data = pickled(obj)
+    if len(data) <= JOIN_MAX:
+        return (_join(data),)
+    return memoryview(HEAD.pack(len(data))), memoryview(data)
+
+
+def _join(data: bytes) -> memoryview:
     return memoryview(HEAD.pack(len(data)) + data)
 
 

@@ -53,8 +53,15 @@ framed = False
 
 
 def origin() -> Origin:
-    """What a task must know about the consumer to choose how to reply."""
-    return (os.getpid(), host_key())
+    """What a task must know about the consumer to choose how to reply (made once a
+    process: it is asked for every task)."""
+    global _origin
+    if _origin is None or _origin[0] != os.getpid():
+        _origin = (os.getpid(), host_key())
+    return _origin
+
+
+_origin: Origin | None = None
 
 
 class RemoteTraceback(Exception):

@@ -74,6 +74,7 @@ class Dispatcher:
     max_retries: int
     is_closed: Callable[[], bool]
     watch: bool = True  # False: the caller times its tasks itself (see expire)
+    alone: bool = False  # each task holds its worker for long (shards): one a worker, nothing behind it
     stopping: bool = False
     _running: dict[int, Job] = field(default_factory=dict)
     # task id -> why it was not delivered (the end of its LoaderTimeout's message)
@@ -134,7 +135,7 @@ class Dispatcher:
             task = make_task(next(_task_ids), with_payload)
             task_id = task.task_id
             submit_ns = time.monotonic_ns()
-            job = pool.send(fn, task)
+            job = pool.send(fn, task, alone=self.alone)
             self._running[task_id] = job
             try:
                 res = await pool.result(job)

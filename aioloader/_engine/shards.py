@@ -213,7 +213,7 @@ class ShardSource:
         self.side = side
         self.epoch = position.epoch
         self.num_shards = position.num_shards
-        self.dispatcher = Dispatcher(pool, recorder, timeout, max_retries, is_closed, watch=False)
+        self.dispatcher = Dispatcher(pool, recorder, timeout, max_retries, is_closed, watch=False, alone=True)
         self.timeout = timeout
         self.shards = [_Shard(self, s, position.delivered[s]) for s in range(self.num_shards)]
         for s, ended in enumerate(position.ended):

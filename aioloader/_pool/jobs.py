@@ -46,7 +46,7 @@ class Job:
     """One submission of one task: what to run, and, once settled, its outcome."""
 
     __slots__ = (
-        "__weakref__", "args", "callback", "done", "fn", "lost", "outcome", "seq",
+        "__weakref__", "alone", "args", "callback", "done", "fn", "lost", "outcome", "sent_ns", "seq",
         "stopped", "submit_ns", "task_id", "waiter", "waker", "worker",
     )  # fmt: skip
 
@@ -56,6 +56,7 @@ class Job:
         self.fn = fn
         self.args = args
         self.task_id = task_id
+        self.alone = False  # it holds its worker for long: nothing may wait behind it
         self.submit_ns = time.monotonic_ns()
         self.outcome: Outcome | None = None
         self.lost: Lost | None = None
@@ -63,6 +64,7 @@ class Job:
         self.stopped = False  # a timeout stopped it: it ends Lost, uncharged, not run again
         self.worker: Any = None  # where it was sent (a backend's own record), if anywhere
         self.seq = -1  # its number on that worker's channel
+        self.sent_ns = 0  # when it was written to that channel
         self.waiter: Any = None  # the asyncio future the awaiting task waits on
         self.waker: Waker | None = None
         self.callback: Callable[[Job], None] | None = None  # the Executor face's future

@@ -37,6 +37,11 @@ class Thread:
         self._thread: threading.Thread | None = None
         self._running: Job | None = None
         self.closed = False
+        self.fatal: Exception | None = None  # never: a thread cannot break
+
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
 
     def start(self) -> None:
         with self._lock:
@@ -118,6 +123,8 @@ class Borrowed:
     def __init__(self, executor: cf.Executor) -> None:
         self.executor = executor
         self.closed = False
+        self.started = True  # the user's: running already
+        self.fatal: Exception | None = None  # its own break is each job's (see _done)
         self._futures: dict[int, cf.Future[Any]] = {}
 
     def start(self) -> None:

@@ -95,7 +95,7 @@ class WorkerPool(cf.Executor):
         self._pid = os.getpid()
         self._zygote: _zygote.Zygote | None = None
         if self._context is not None and self._context.get_start_method() == "forkserver":
-            self._zygote = _zygote.get(make=True)  # now, before the event loop's thread exists
+            self._zygote = _zygote.fork_for_pool()  # now, before the event loop's thread exists
         # The finalizer must not reference self: it gets boxes holding the live backend
         # and the pool's zygote.
         self._box: list[Backend | None] = [None]
@@ -188,9 +188,11 @@ class WorkerPool(cf.Executor):
         _mainguard.refuse_while_main_imports()  # before this process makes anything
         zygote = self._zygote
         if zygote is not None and (zygote.dead or zygote.consumer != os.getpid()):
-            zygote = self._zygote = None
+            if zygote.consumer == os.getpid():
+                zygote.close()
+            zygote = self._zygote = self._zbox[0] = None
         if zygote is None and self._context.get_start_method() == "forkserver":
-            zygote = self._zygote = self._zbox[0] = _zygote.get(make=True)
+            zygote = self._zygote = self._zbox[0] = _zygote.fork_for_pool()
         return _procs.Procs(self.num_workers, self._context, self._payloads_now, zygote)
 
     def _retire(self, backend: Backend) -> None:
@@ -207,9 +209,7 @@ class WorkerPool(cf.Executor):
         backend = self._box[0]
         if backend is None or self._pid != os.getpid():
             return False
-        return not isinstance(backend, _procs.Procs) or (
-            backend.started and backend.fatal is None and not backend.closed
-        )
+        return backend.started and backend.fatal is None and not backend.closed
 
     def start(self) -> WorkerPool:
         """Start the workers (blocking: call from a thread). Returns once tasks can be
@@ -218,12 +218,15 @@ class WorkerPool(cf.Executor):
         return self
 
     # ------------------------------------------------------------- the fast path
-    def send(self, fn: Callable[[Any], Any], task: Any) -> Job:
+    def send(self, fn: Callable[[Any], Any], task: Any, *, alone: bool = False) -> Job:
         """Run ``fn(task)`` on a worker (``task.task_id`` names it); never raises but
-        :class:`~aioloader.LoaderClosedError`."""
+        :class:`~aioloader.LoaderClosedError`. ``alone``: the task holds its worker for
+        long (a shard), so it goes to an idle worker and nothing waits behind it."""
         job = Job(_reply.Entry(fn, _reply.origin()), (task,), task.task_id)
+        job.alone = alone
         backend = self._backend()
-        backend.start()
+        if not backend.started:  # the dispatcher starts it first: this is a fallback
+            backend.start()
         backend.submit(job)
         return job
 

@@ -7,7 +7,9 @@ not take at once, and watches every worker for its death.
 
 Sending. A job goes to the worker with the fewest unanswered jobs: at most two while
 tasks are short (one running, one waiting in its socket: no idle gap between two) and
-one once they take :data:`LONG_NS` or more. Beyond that it waits here, and goes out the
+one once they take :data:`LONG_NS` or more. A job sent ``alone`` (an iterable dataset's
+shard, which holds its worker for the epoch) goes only to an idle worker, and nothing
+is queued behind it. Beyond that it waits here, and goes out the
 moment a worker answers, from the I/O thread. A worker runs its channel's tasks in
 order, so a reply answers the oldest unanswered job of that channel.
 
@@ -69,7 +71,6 @@ LONG_NS = 3_000_000  # jobs this long (on average) go one to a worker at a time
 MAX_START_FAILURES = 3
 _ALPHA = 0.25  # weight of the newest job in the average
 _SOCKBUF = 1 << 20  # send buffer asked of each channel's consumer end
-_JOIN_MAX = 1 << 16  # a task pickle up to this size is sent behind its head in one buffer
 
 _live: weakref.WeakSet[Procs] = weakref.WeakSet()
 exiting = False  # set by the exit hook: from then on no worker starts
@@ -79,7 +80,7 @@ class _Worker:
     """One worker process as the pool sees it."""
 
     __slots__ = (
-        "born_ns", "channel", "code", "end", "eof", "fd", "inbuf", "kill_asked", "out", "pid", "process",
+        "born_ns", "channel", "code", "end", "eof", "fd", "inbuf", "kill_asked", "last_ns", "out", "pid", "process",
         "ready", "sent", "seqs", "slot", "start", "watched", "why_killed",
     )  # fmt: skip
 
@@ -96,6 +97,7 @@ class _Worker:
         self.watched = False  # the I/O thread waits for the socket to take more
         self.seqs = 0  # jobs sent on this channel
         self.born_ns = time.monotonic_ns()
+        self.last_ns = 0  # when it last answered
         self.code: int | None = None
         self.eof = False
         self.ready = False  # it answered once: past its start
@@ -199,8 +201,7 @@ class Procs:
         except Exception as exc:
             theirs.close()
             self._register(w)
-            self.deaths.append((-1, None))
-            self._start_failed(w, exc)
+            self._died(w, None, exc)  # as a worker that died as it started
             return
         finally:
             with contextlib.suppress(OSError):
@@ -233,7 +234,7 @@ class Procs:
             else:
                 lost = None
                 w = self._least_busy()
-                if w is None or self._pending or len(w.sent) >= self.depth:
+                if w is None or self._pending or not self._takes(w, job):
                     self._pending.append(job)
                 else:
                     error = self._send(w, job)
@@ -253,23 +254,29 @@ class Procs:
         self._turn += 1
         return best
 
+    def _takes(self, w: _Worker, job: Job) -> bool:
+        """May ``job`` go to ``w`` now? A job ``alone`` (a shard: it holds its worker for
+        the epoch) goes only to a worker with nothing else, and nothing goes behind it."""
+        if w.code is not None or w.why_killed:
+            return False
+        if w.sent:
+            return not job.alone and not w.sent[0].alone and len(w.sent) < self.depth
+        return True
+
     def _send(self, w: _Worker, job: Job) -> _reply.Outcome | None:
         """Pickle ``job`` and write it into ``w``'s channel (the lock held). A job that
         cannot be pickled is not sent: its error comes back as its outcome, to settle
         once the lock is released."""
         try:
-            data = _channel.pickled((job.fn, job.args))
+            parts = _channel.frame_parts((job.fn, job.args))
         except BaseException as exc:
             traceback.clear_frames(exc.__traceback__)
             return _reply.Outcome(False, exc)
-        job.worker, job.seq = w, w.seqs
+        job.worker, job.seq, job.sent_ns = w, w.seqs, time.monotonic_ns()
         w.seqs += 1
         w.sent.append(job)
-        if len(data) <= _JOIN_MAX:
-            self._put(w, memoryview(HEAD.pack(len(data)) + data))
-        else:  # a batch of fetched payloads: its head goes first, the pickle as it is (no copy)
-            self._put(w, memoryview(HEAD.pack(len(data))))
-            self._put(w, memoryview(data))
+        for part in parts:
+            self._put(w, part)
         return None
 
     def _put(self, w: _Worker, data: memoryview) -> None:
@@ -286,7 +293,7 @@ class Procs:
     def _flush_pending(self, w: _Worker) -> None:
         """Give ``w`` queued jobs while it has room (the lock held). A job that cannot be
         pickled waits in :attr:`_unsent` to be settled once the lock is released."""
-        while self._pending and len(w.sent) < self.depth and w.code is None and not w.why_killed:
+        while self._pending and self._takes(w, self._pending[0]):
             job = self._pending.popleft()
             if job.done:
                 continue
@@ -442,9 +449,10 @@ class Procs:
             self._start_failures = 0
             for _ in spans:
                 job = w.sent.popleft() if w.sent else None
-                if job is not None:
-                    self._observe(now - job.submit_ns)
+                if job is not None:  # its time on the worker: from its sending or the answer before it
+                    self._observe(now - max(job.sent_ns, w.last_ns))
                 jobs.append(job)
+            w.last_ns = now
             self._flush_pending(w)
             self._idle.notify_all()
         self._settle_unsent()
@@ -508,10 +516,6 @@ class Procs:
             self._sel.unregister(w.process.sentinel)
         w.process.join(5.0)
         self._died(w, w.process.exitcode)
-
-    def _start_failed(self, w: _Worker, exc: Exception) -> None:
-        """Starting the worker itself failed (no fork, no zygote)."""
-        self._died(w, None, exc)
 
     # ---------------------------------------------------------------------- deaths
     def _died(self, w: _Worker, code: int | None, failure: Exception | None = None) -> None:
@@ -719,10 +723,10 @@ class Procs:
             return
         if threading.current_thread() is self._thread:
             return
-        deadline = time.monotonic() + grace
-        while not self._all_gone() and time.monotonic() < deadline and self._thread.is_alive():
-            self._wake()
-            self._ended.wait(min(0.02, max(0.0, deadline - time.monotonic())))
+        # The I/O thread ends once every worker is gone (it is woken by the last death,
+        # and once here, for workers that were all gone already).
+        self._wake()
+        self._ended.wait(grace)
         self._kill_all("the pool was closed")
         self._wake()
         self._ended.wait(5.0)

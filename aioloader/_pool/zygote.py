@@ -27,7 +27,6 @@ module never imports asyncio.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import gc
 import mmap
@@ -39,10 +38,9 @@ import sys
 import threading
 import types
 import warnings
-import weakref
 from typing import Any
 
-__all__ = ["ENV", "Zygote", "get", "server_pid", "usable"]
+__all__ = ["ENV", "Zygote", "fork_for_pool", "server_pid", "usable"]
 
 ENV = "AIOLOADER_FORKSERVER"  # "spawn": never fork a zygote
 REQUEST = struct.Struct("<qqqq")  # slot, table size, number of workers, consumer pid
@@ -52,7 +50,6 @@ WORKER_NAME = b"aioloader-work"
 
 _lock = threading.Lock()
 _zygote: Zygote | None = None  # the newest one (what server_pid names)
-_made: weakref.WeakSet[Zygote] = weakref.WeakSet()
 
 
 def _native_threads() -> int | None:
@@ -83,11 +80,11 @@ def server_pid() -> int | None:
     return z.pid if z is not None and not z.dead and z.consumer == os.getpid() else None
 
 
-def get(make: bool) -> Zygote | None:
-    """A zygote of its own for a new pool, forked now if ``make`` and it is safe, else
-    ``None``. One a pool: its reports (forks, exit codes) then have one reader."""
+def fork_for_pool() -> Zygote | None:
+    """A zygote of its own for a new pool, forked now if that is safe, else ``None``.
+    One a pool: its reports (forks, exit codes) then have one reader. The pool closes it."""
     global _zygote
-    if not make or os.environ.get(ENV, "").lower() == "spawn":
+    if os.environ.get(ENV, "").lower() == "spawn":
         return None
     with _lock:
         z = None
@@ -107,10 +104,6 @@ class Zygote:
         self.consumer = os.getpid()
         self.dead = False
         self.send_lock = threading.Lock()
-
-    def __del__(self) -> None:  # a pool gone without closing it: its zygote ends with it
-        with contextlib.suppress(Exception):
-            self.sock.close()
 
     @classmethod
     def fork(cls) -> Zygote:
@@ -133,9 +126,7 @@ class Zygote:
             finally:
                 os._exit(code)
         theirs.close()
-        z = cls(pid, ours)
-        _made.add(z)
-        return z
+        return cls(pid, ours)
 
     def request(self, slot: int, channel: int, table: int, table_size: int, workers: int) -> None:
         """Ask for a worker in ``slot`` (its channel and slot table's descriptors are
@@ -337,16 +328,8 @@ def _mode(proc: str, fd: str) -> int | None:
 def _after_fork_in_child() -> None:
     """A child forked from this process (the zygote, its workers, a user's fork) does
     not own this process's zygote: it would fork its workers from another's."""
-    global _zygote, _lock, _made
-    _zygote, _lock, _made = None, threading.Lock(), weakref.WeakSet()
-
-
-def _close_at_exit() -> None:
-    """Interpreter exit: the zygotes end once their sockets close."""
-    for z in list(_made):
-        if z.consumer == os.getpid():
-            z.close()
+    global _zygote, _lock
+    _zygote, _lock = None, threading.Lock()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
-atexit.register(_close_at_exit)
