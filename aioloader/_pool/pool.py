@@ -173,6 +173,7 @@ class WorkerPool(cf.Executor):
             backend = self._box[0]
             if isinstance(backend, _procs.Procs) and (backend.fatal is not None or backend.closed):
                 self._retire(backend)  # broken for good, or stopped at exit: the next start begins afresh
+                backend.close(grace=0.0)  # its I/O thread ends: the zygote's reports are the next one's
                 backend = None
             if backend is None:
                 backend = self._box[0] = self._make()
@@ -189,7 +190,7 @@ class WorkerPool(cf.Executor):
         zygote = self._zygote
         if zygote is not None and (zygote.dead or zygote.consumer != os.getpid()):
             if zygote.consumer == os.getpid():
-                zygote.close()
+                zygote.close()  # dead: nothing to give back
             zygote = self._zygote = self._zbox[0] = None
         if zygote is None and self._context.get_start_method() == "forkserver":
             zygote = self._zygote = self._zbox[0] = _zygote.fork_for_pool()
@@ -326,7 +327,7 @@ class WorkerPool(cf.Executor):
             backend.close(grace=0.25)
         zygote, zbox[0] = zbox[0], None
         if zygote is not None and zygote.consumer == os.getpid():
-            zygote.close()
+            _zygote.give_back(zygote)  # the next pool takes it, rather than fork one
 
     def __enter__(self) -> WorkerPool:
         return self

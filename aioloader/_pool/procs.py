@@ -125,6 +125,7 @@ class Procs:
         self._unsent: list[tuple[Job, _reply.Outcome]] = []
         self._workers: list[_Worker | None] = [None] * n
         self._by_pid: dict[int, _Worker] = {}
+        self._requests: dict[int, int] = {}  # the zygote's request number -> slot, until answered
         self._turn = 0
         self.depth = DEPTH
         self.task_ns: float | None = None
@@ -185,7 +186,7 @@ class Procs:
         try:
             if zygote is not None and not inherited:
                 w.out.append(_channel.frame(payloads))  # the worker's first frame
-                zygote.request(slot, theirs.fileno(), self._table_fd, self._table_size, self.n)
+                self._requests[zygote.request(slot, theirs.fileno(), self._table_fd, self._table_size, self.n)] = slot
             else:
                 if self._ctx.get_start_method() != "fork":
                     _byvalue.drop_fake_main_file()
@@ -485,7 +486,8 @@ class Procs:
         for kind, pid, value in zygote.reports():
             with self._lock:
                 if kind == b"F":
-                    w = self._workers[value] if 0 <= value < self.n else None
+                    slot = self._requests.pop(value, -1)
+                    w = self._workers[slot] if slot >= 0 else None
                     if w is not None and not w.pid and w.process is None:
                         w.pid = pid
                         self._by_pid[pid] = w
@@ -498,7 +500,8 @@ class Procs:
                 if w is not None:
                     self._died(w, value)
             elif kind == b"E":
-                w = self._workers[pid] if 0 <= pid < self.n else None
+                slot = self._requests.pop(pid, -1)
+                w = self._workers[slot] if slot >= 0 else None
                 if w is not None and not w.pid:
                     self._died(w, None, OSError(value, os.strerror(value)))
         if zygote.dead:

@@ -27,8 +27,10 @@ module never imports asyncio.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
+import itertools
 import mmap
 import os
 import signal
@@ -40,16 +42,19 @@ import types
 import warnings
 from typing import Any
 
-__all__ = ["ENV", "Zygote", "fork_for_pool", "server_pid", "usable"]
+__all__ = ["ENV", "Zygote", "fork_for_pool", "give_back", "server_pid", "usable"]
 
 ENV = "AIOLOADER_FORKSERVER"  # "spawn": never fork a zygote
-REQUEST = struct.Struct("<qqqq")  # slot, table size, number of workers, consumer pid
-REPORT = struct.Struct("<cxxxxxxxqq")  # kind, pid, value: F (forked: slot), X (exited: code), E (failed: errno)
+REQUEST = struct.Struct("<qqqqq")  # request number, slot, table size, number of workers, consumer pid
+# kind, pid, value: F (forked: the request's number), X (exited: exit code),
+# E (failed: pid holds the request's number, value the errno)
+REPORT = struct.Struct("<cxxxxxxxqq")
 ZYGOTE_NAME = b"aioloader-zyg"
 WORKER_NAME = b"aioloader-work"
 
 _lock = threading.Lock()
-_zygote: Zygote | None = None  # the newest one (what server_pid names)
+_zygote: Zygote | None = None  # the newest one taken (what server_pid names)
+_free: Zygote | None = None  # one a closed pool gave back, for the next pool to take
 
 
 def _native_threads() -> int | None:
@@ -81,17 +86,36 @@ def server_pid() -> int | None:
 
 
 def fork_for_pool() -> Zygote | None:
-    """A zygote of its own for a new pool, forked now if that is safe, else ``None``.
-    One a pool: its reports (forks, exit codes) then have one reader. The pool closes it."""
-    global _zygote
+    """A zygote for a new pool, that pool's alone while it lives: one a closed pool gave
+    back, or one forked now if that is safe; else ``None``. One reader for its reports
+    (forks, exit codes). The pool gives it back with :func:`give_back`."""
+    global _zygote, _free
     if os.environ.get(ENV, "").lower() == "spawn":
         return None
     with _lock:
-        z = None
-        if usable():
+        z, _free = _free, None
+        if z is not None and (z.dead or z.consumer != os.getpid()):
+            z.close()
+            z = None
+        if z is not None:
+            z.reports()  # what its last pool left unread
+        elif usable():
             with contextlib.suppress(OSError):
-                z = _zygote = Zygote.fork()
-        return z
+                z = Zygote.fork()
+        if z is not None and not z.dead:
+            _zygote = z
+            return z
+        return None
+
+
+def give_back(z: Zygote) -> None:
+    """A pool is closed: keep its zygote for the next pool (one is kept), or close it."""
+    global _free
+    with _lock:
+        if _free is None and not z.dead and z.consumer == os.getpid():
+            _free = z
+            return
+    z.close()
 
 
 class Zygote:
@@ -104,6 +128,7 @@ class Zygote:
         self.consumer = os.getpid()
         self.dead = False
         self.send_lock = threading.Lock()
+        self._requests = itertools.count()
 
     @classmethod
     def fork(cls) -> Zygote:
@@ -128,12 +153,13 @@ class Zygote:
         theirs.close()
         return cls(pid, ours)
 
-    def request(self, slot: int, channel: int, table: int, table_size: int, workers: int) -> None:
+    def request(self, slot: int, channel: int, table: int, table_size: int, workers: int) -> int:
         """Ask for a worker in ``slot`` (its channel and slot table's descriptors are
         passed); the answer comes as a report. Raises ``OSError`` if the zygote is gone."""
-        msg = REQUEST.pack(slot, table_size, workers, os.getpid())
         with self.send_lock:
-            socket.send_fds(self.sock, [msg], [channel, table])
+            req = next(self._requests)
+            socket.send_fds(self.sock, [REQUEST.pack(req, slot, table_size, workers, os.getpid())], [channel, table])
+        return req
 
     def reports(self) -> list[tuple[bytes, int, int]]:
         """What the zygote said since the last call: ``(kind, pid, value)`` each; an
@@ -197,13 +223,13 @@ def _serve(sock: socket.socket) -> None:  # pragma: no cover - in the zygote
 
 
 def _fork_worker(sock: socket.socket, msg: bytes, fds: list[int], wake: tuple[int, int]) -> None:  # pragma: no cover
-    slot, table_size, workers, consumer = REQUEST.unpack(msg)
+    req, slot, table_size, workers, consumer = REQUEST.unpack(msg)
     try:
         pid = os.fork()
     except OSError as exc:
         for fd in fds:
             os.close(fd)
-        _report(sock, b"E", slot, exc.errno or 0)
+        _report(sock, b"E", req, exc.errno or 0)
         return
     if pid == 0:
         code = 1
@@ -230,7 +256,7 @@ def _fork_worker(sock: socket.socket, msg: bytes, fds: list[int], wake: tuple[in
             os._exit(code)
     for fd in fds:
         os.close(fd)
-    _report(sock, b"F", pid, slot)
+    _report(sock, b"F", pid, req)
 
 
 def _reap(sock: socket.socket) -> None:  # pragma: no cover - in the zygote
@@ -328,8 +354,15 @@ def _mode(proc: str, fd: str) -> int | None:
 def _after_fork_in_child() -> None:
     """A child forked from this process (the zygote, its workers, a user's fork) does
     not own this process's zygote: it would fork its workers from another's."""
-    global _zygote, _lock
-    _zygote, _lock = None, threading.Lock()
+    global _zygote, _lock, _free
+    _zygote, _lock, _free = None, threading.Lock(), None
+
+
+def _close_at_exit() -> None:
+    z = _free
+    if z is not None and z.consumer == os.getpid():
+        z.close()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+atexit.register(_close_at_exit)  # the kept one; a pool's own closes with the pool
