@@ -411,13 +411,14 @@ class CapturingExecutor(cf.Executor):
 
 def test_batch_task_stays_small_whatever_the_dataset(executor: cf.Executor) -> None:
     # The dataset (here 1 MiB) travels only with tasks that reached a worker which had
-    # not seen it yet (mostly the `prefetch` tasks in flight at the start, a few more if
-    # the executor keeps sending plain tasks to a worker that has not had a payload
-    # task). Every other task carries only its indices and a little metadata.
-    nbytes, prefetch = 1 << 20, 4
+    # not seen it yet: the `prefetch` tasks in flight at the start, and more while the
+    # executor keeps sending plain tasks to a worker that has not had a payload task
+    # (dask places tasks itself: one run saw 9 such at the start). Once every worker
+    # has it, a task carries only its indices and a little metadata.
+    nbytes, prefetch, batches = 1 << 20, 4, 48
     capture = CapturingExecutor(executor)
     with aioloader.DataLoader(
-        HeavyDataset(64 * 12, nbytes),
+        HeavyDataset(64 * batches, nbytes),
         64,
         shuffle=True,
         executor=capture,
@@ -425,11 +426,11 @@ def test_batch_task_stays_small_whatever_the_dataset(executor: cf.Executor) -> N
         batches_per_task=1,  # one BatchTask a batch (test_grouping.py covers groups)
     ) as loader:
         got = [b[1].tolist() for b in loader]
-    assert sorted(i for b in got for i in b) == list(range(64 * 12))
+    assert sorted(i for b in got for i in b) == list(range(64 * batches))
     plain = [size for size, with_payload in capture.sizes if not with_payload]
     heavy = [size for size, with_payload in capture.sizes if with_payload]
-    assert len(plain) >= 12
+    assert len(plain) >= batches
     assert max(plain) < 1024
-    assert 1 <= len(heavy) <= 2 * prefetch  # two worker processes at most
+    assert 1 <= len(heavy) <= batches // 3  # the start's, not one a batch
     assert min(heavy) > nbytes
     still_running(executor)
