@@ -126,6 +126,7 @@ class LoaderBase:
             num_workers, why = available_cpus()
             settings.append(f"num_workers='auto' chose {num_workers}: {why}")
         num_workers = check_num_workers(num_workers)
+        prefetch_given = prefetch
         auto_prefetch = isinstance(prefetch, str) and prefetch == "auto"
         if prefetch is not None and not auto_prefetch:
             prefetch = check_int("prefetch", prefetch, 1)
@@ -153,7 +154,9 @@ class LoaderBase:
                 f"prefetch='auto' starts at {prefetch}: two batches per worker of the pool, at least 2 "
                 "(a DataLoader grows it while its batches are cheap: see stats().grouping)"
             )
-        self._prefetch_auto = auto_prefetch
+        # Not given, or "auto": a DataLoader's window may grow while its batches are
+        # cheap (the grouping policy decides, within a bound in batches and in bytes).
+        self._window_grows = prefetch_given is None or auto_prefetch
         self.prefetch: int = prefetch
         self._transport: Transport = make_transport(
             transport, pool_kind=self._pool.kind, prefetch=self.prefetch

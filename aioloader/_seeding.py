@@ -46,18 +46,29 @@ SeedMode = Literal["batch", "sample", False]
 
 
 class BatchSeeds:
-    """The batch being built in this thread: the loop sets ``k`` to the position of the
-    sample it loads (one attribute store a sample) and calls ``hook(k)`` when it is not
-    ``None`` (``"sample"`` mode, which seeds the global generators for each sample)."""
+    """The batch being built in this thread. ``k`` is the position of the sample it
+    loads: the loop sets it (one attribute store a sample), or points ``loaded`` at the
+    list of the samples loaded so far, whose length is then ``k`` (no store at all). The
+    loop calls ``hook(k)`` when it is not ``None`` (``"sample"`` mode, which seeds the
+    global generators for each sample)."""
 
-    __slots__ = ("epoch", "hook", "indices", "k", "rng", "rng_k", "seed")
+    __slots__ = ("_k", "epoch", "hook", "indices", "loaded", "rng", "rng_k", "seed")
 
     def __init__(self, seed: int, epoch: int, indices: Sequence[int]) -> None:
         self.seed, self.epoch, self.indices = seed, epoch, indices
-        self.k = 0
+        self._k = 0
+        self.loaded: list[Any] | None = None
         self.hook: Callable[[int], None] | None = None
         self.rng: np.random.Generator | None = None
         self.rng_k = -1  # the position ``rng`` was made for
+
+    @property
+    def k(self) -> int:
+        return self._k if self.loaded is None else len(self.loaded)
+
+    @k.setter
+    def k(self, k: int) -> None:
+        self._k = k
 
 
 class _Local(threading.local):

@@ -108,7 +108,7 @@ class LoaderStats:
     grouping: str = ""
     """What ``batches_per_task`` chose and from what (empty where each batch is a task)."""
     window: int = 0
-    """Slots in the window now: ``prefetch``, or what ``prefetch="auto"`` grew it to."""
+    """Slots in the window now: where it started (``prefetch``), or what it grew to."""
     isolated: int = 0
     """StreamLoader micro-batches lost to a dying worker or overrunning ``timeout`` that
     then ran one item a task, so that only the culprit failed."""

@@ -380,6 +380,25 @@ def _where(task: BatchTask) -> str:
     return f"batch {task.position} of epoch {task.epoch}, {_reply.process_label()}"
 
 
+def _load_plainly(
+    dataset: Any, indices: Sequence[int], samples: list[Any], seeds: _seeding.BatchSeeds, task: BatchTask
+) -> None:
+    """The common batch (no transform, no per-sample seeding, no skipping, read here):
+    one ``dataset[i]`` and one append a sample. The position ``sample_rng`` reads is the
+    number of samples loaded so far, and so is the culprit's when one raises."""
+    seeds.loaded = samples
+    append = samples.append
+    try:
+        for i in indices:
+            append(dataset[i])
+    except BaseException as exc:  # SystemExit too: named, then carried home as a value
+        i = indices[len(samples)]
+        add_note(exc, f"aioloader: raised by dataset[{i}] (sample index {i}) in {_where(task)}")
+        raise
+    finally:
+        seeds.loaded, seeds.k = None, len(samples)
+
+
 def _build(ctx: WorkerContext, task: BatchTask) -> tuple[Any, tuple[tuple[int, str], ...]]:
     raw = task.indices
     indices: Sequence[int]
@@ -401,6 +420,9 @@ def _build(ctx: WorkerContext, task: BatchTask) -> tuple[Any, tuple[tuple[int, s
             seed_raw = seed_indices = [task.position]  # seeded by the batch's position
         seeds = _seeding.start_batch(ctx.seed_samples, task.seed, task.epoch, seed_raw, seed_indices)
         hook = seeds.hook
+        if hook is None and values is None and transform is None and ctx.on_error != "skip":
+            _load_plainly(dataset, indices, samples, seeds, task)
+            indices = ()  # loaded: the loop below has nothing left to do
         for k, i in enumerate(indices):  # runs for every sample: keep it lean
             seeds.k = k
             if hook is not None:

@@ -86,9 +86,10 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
         num_workers: worker processes; ``0`` builds batches in one background thread;
             ``"auto"``: one per CPU this process may use (affinity mask and cgroup quota),
             ``stats().settings`` says why; more warns (:class:`~aioloader.OversubscribedWarning`).
-        prefetch: most batches submitted, running or waiting for the consumer at once
-            (default ``2 * num_workers``, at least 2). ``"auto"`` starts there and grows, up
-            to 8x, while batches are cheap (see ``batches_per_task``); ``stats().window``.
+        prefetch: most batches submitted, running or waiting for the consumer at once.
+            The default (or ``"auto"``) starts at ``2 * num_workers``, at least 2, and grows,
+            up to 8x and within 64 MiB of batches, while batches are cheap (see
+            ``batches_per_task``); ``stats().window`` says where it is. An int fixes it.
         timeout: seconds a batch may take from the moment a worker starts it; on expiry
             :class:`~aioloader.LoaderTimeout` is raised and the worker is killed. ``None``
             or ``0`` (torch's default): none.
@@ -270,7 +271,7 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
             prefetch=torch_args.prefetch, transport=transport, trace=trace,
         )  # fmt: skip
         self._group = self._recorder.group = policy_for(
-            batches_per_task, self.prefetch, self._pool, fetch is not None, grow=self._prefetch_auto
+            batches_per_task, self.prefetch, self._pool, fetch is not None, grow=self._window_grows
         )
         self._planner = BatchPlanner(
             length, batch_size=batch_size, shuffle=shuffle, sampler=sampler, batch_sampler=batch_sampler,

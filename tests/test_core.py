@@ -417,7 +417,7 @@ def test_stats_count_batches_and_samples() -> None:
     assert st.batches == 8 and st.samples == 40
     assert [e.batches for e in st.epochs] == [4, 4]
     # the next epoch's first batches may already be in flight (speculative prefetch)
-    assert 0 <= st.in_flight <= loader.prefetch
+    assert 0 <= st.in_flight <= st.window  # the window may have grown (cheap batches)
     assert st.latency_p50_s is not None and st.latency_p99_s >= st.latency_p50_s
     import dataclasses
 

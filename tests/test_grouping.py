@@ -7,6 +7,7 @@ was chosen. ``batches_per_task=1`` (one batch a task, as before grouping) is the
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures as cf
 from typing import Any
 
@@ -147,9 +148,12 @@ def test_breaking_out_of_a_grouped_epoch_releases_everything(collect: Any) -> No
         assert grouped.stats().in_flight <= grouped.prefetch
 
 
-def test_auto_prefetch_grows_the_window_for_cheap_batches_only() -> None:
+def test_a_growing_window_grows_for_cheap_batches_only() -> None:
     cheap = GroupPolicy(None, window=4, workers=2, grow=True)
     cheap.observe(1, TARGET_NS // 20)  # 20 such batches make one target-long task
+    assert cheap.window == 4  # no batch weighed yet: their size is unknown, the window waits
+    cheap.observe_bytes(1024)
+    cheap.observe(1, TARGET_NS // 20)
     assert (cheap.window, cheap.size) == (4 * GROWTH, MAX_GROUP)  # two groups of 8 a worker
     cheap.observe_bytes(WINDOW_BUDGET // 6)  # big batches: the byte budget caps the window
     cheap.observe(1, TARGET_NS // 20)
@@ -163,14 +167,72 @@ def test_auto_prefetch_grows_the_window_for_cheap_batches_only() -> None:
     assert not GroupPolicy(3, window=4, grow=True).grow  # a fixed size keeps the window
 
 
-def test_an_auto_window_delivers_the_batches_of_a_fixed_one(collect: Any) -> None:
+@pytest.mark.parametrize("prefetch", [None, "auto"], ids=["default", "auto"])
+def test_a_growing_window_delivers_the_batches_of_a_fixed_one(collect: Any, prefetch: Any) -> None:
     ds = AugmentedDataset(400)
     with loader(ds, 1, prefetch=4) as fixed:
         want = [as_bytes(collect(fixed)) for _ in range(2)]
-    with loader(ds, "auto", prefetch="auto") as auto:
+        assert "grows" not in fixed.stats().grouping  # an int fixes the window
+    with loader(ds, "auto", prefetch=prefetch) as auto:
         got = [as_bytes(collect(auto)) for _ in range(2)]
         stats = auto.stats()
     assert got == want
     assert auto.prefetch == 4 <= stats.window <= 4 * GROWTH
     assert stats.in_flight <= 4 * GROWTH  # a window that shrank lets what is in flight finish
-    assert "prefetch='auto' window" in stats.grouping
+    assert "grows while batches are cheap" in stats.grouping
+
+
+class SameArray:
+    """``n`` samples that are one array of ``nbytes``, made once a worker: each costs its
+    worker next to nothing, however large."""
+
+    def __init__(self, n: int, nbytes: int) -> None:
+        self.n, self.nbytes = n, nbytes
+        self.array: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        if self.array is None:
+            self.array = np.zeros(self.nbytes, np.uint8)
+        return self.array
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"n": self.n, "nbytes": self.nbytes, "array": None}
+
+
+def only(samples: list[Any]) -> Any:
+    return samples[0]
+
+
+@pytest.mark.parametrize("face", ["for", "async-for"])
+@pytest.mark.parametrize("nbytes", [1 << 10, 8 << 20], ids=["1KiB", "8MiB"])
+def test_the_default_window_is_bounded_in_batches_and_in_bytes(face: str, nbytes: int) -> None:
+    # Batches that cost nothing: the cost alone would grow the window to its most, 8x.
+    # Small ones get there; 8 MiB ones stop at the 64 MiB budget (8 of them), and never
+    # pass it: the window does not grow before the first batch was weighed.
+    seen: list[tuple[int, int]] = []  # (window, in flight) after each batch
+    with aioloader.DataLoader(
+        SameArray(64, nbytes), 1, num_workers=2, collate_fn=only, transport="pickle"
+    ) as dl:
+
+        def look(batch: np.ndarray) -> None:
+            assert batch.nbytes == nbytes
+            st = dl.stats()
+            seen.append((st.window, st.in_flight))
+
+        if face == "for":
+            for b in dl:
+                look(b)
+        else:
+
+            async def main() -> None:
+                async for b in dl:
+                    look(b)
+
+            asyncio.run(main())
+        assert dl.prefetch == 4 and len(seen) == 64
+    most = 4 * GROWTH if nbytes < WINDOW_BUDGET // (4 * GROWTH) else WINDOW_BUDGET // nbytes
+    assert max(w for w, _ in seen) == most
+    assert max(f for _, f in seen) <= most  # in flight: submitted, running or not yet taken

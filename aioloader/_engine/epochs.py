@@ -11,6 +11,7 @@ Nothing here is O(epoch length) beyond what the plan itself costs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -149,11 +150,21 @@ class EpochSource:
         self._plan = plan
         self._positions = cursor.positions(len(plan))
         self._advanced = asyncio.Event()
+        self._loop = asyncio.get_running_loop()  # the run's: where its producer waits
 
     def stop_following(self) -> None:
-        """Produce no epoch beyond the ones already started."""
+        """Produce no epoch beyond the ones already started. From any event loop: a pass
+        on another one (its own, or one since closed) may still hold this source."""
         self.follow = None
-        self._advanced.set()
+        try:
+            same = asyncio.get_running_loop() is self._loop
+        except RuntimeError:
+            same = False
+        if same:
+            self._advanced.set()
+        else:
+            with contextlib.suppress(RuntimeError):  # that loop is closed: nobody waits
+                self._loop.call_soon_threadsafe(self._advanced.set)
 
     def begin(self, epoch: int) -> EpochPlan:
         """A consumer begins ``epoch``, which this source has already started."""

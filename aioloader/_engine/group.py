@@ -47,8 +47,8 @@ __all__ = [
 
 TARGET_NS = 2_000_000  # worker time a task should take before grouping stops paying
 MAX_GROUP = 8  # batches in one task at most (a group's first batch waits for its last)
-GROWTH = 8  # prefetch="auto": the window grows to at most this many times its start
-WINDOW_BUDGET = 64 << 20  # prefetch="auto": bytes of batches a grown window may hold
+GROWTH = 8  # a growing window: at most this many times its start
+WINDOW_BUDGET = 64 << 20  # a growing window: bytes of batches it may hold
 _ALPHA = 0.25  # weight of the newest measurement of worker time per batch
 
 
@@ -57,10 +57,11 @@ class GroupPolicy:
     adapted to the measured worker time per batch (``fixed=None``), at most
     ``window // workers`` so that every worker has work.
 
-    ``grow`` (``prefetch="auto"``): the window itself may grow, from ``window`` up to
-    :data:`GROWTH` times it, to hold two groups per worker of the size the batches'
-    cost asks for, within :data:`WINDOW_BUDGET` bytes of batches (:meth:`observe_bytes`);
-    it never goes below where it started."""
+    ``grow`` (a DataLoader's default ``prefetch``, or ``"auto"``): the window itself may
+    grow, from ``window`` up to :data:`GROWTH` times it, to hold two groups per worker of
+    the size the batches' cost asks for, within :data:`WINDOW_BUDGET` bytes of batches
+    (:meth:`observe_bytes`; it does not grow before a batch was weighed); it never goes
+    below where it started."""
 
     def __init__(self, fixed: int | None, window: int, workers: int = 1, grow: bool = False) -> None:
         self.fixed = fixed
@@ -88,17 +89,16 @@ class GroupPolicy:
         self.per_batch_ns = t if self.per_batch_ns is None else (1 - _ALPHA) * self.per_batch_ns + _ALPHA * t
         if self.fixed is None:
             want = min(MAX_GROUP, math.ceil(TARGET_NS / max(self.per_batch_ns, 1.0)))
-            if self.grow:
+            if self.grow and self.batch_bytes is not None:  # not before a batch was weighed
                 window = min(self.base * GROWTH, 2 * self.workers * want)
-                if self.batch_bytes:
-                    window = min(window, WINDOW_BUDGET // self.batch_bytes)
+                window = min(window, WINDOW_BUDGET // max(1, self.batch_bytes))
                 self.window = max(self.base, window)
             self.size = max(1, min(self.limit, want))
 
     def describe(self) -> str:
         how = f"fixed at {self.fixed}" if self.fixed is not None else "auto"
         per = f", {self.per_batch_ns / 1e6:.3f} ms of worker time per batch" if self.per_batch_ns else ""
-        grown = f"; prefetch='auto' window {self.window} (from {self.base})" if self.grow else ""
+        grown = f"; window {self.window} (from {self.base}, grows while batches are cheap)" if self.grow else ""
         return f"{self.size} per task ({how}, at most {self.limit}{per}){grown}"
 
 
