@@ -88,7 +88,7 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
             ``stats().settings`` says why; more warns (:class:`~aioloader.OversubscribedWarning`).
         prefetch: most batches submitted, running or waiting for the consumer at once.
             The default (or ``"auto"``) starts at ``2 * num_workers``, at least 2, and grows,
-            up to 8x and within 64 MiB of batches, while batches are cheap (see
+            up to 16x and within 64 MiB of batches, while batches are cheap (see
             ``batches_per_task``); ``stats().window`` says where it is. An int fixes it.
         timeout: seconds a batch may take from the moment a worker starts it; on expiry
             :class:`~aioloader.LoaderTimeout` is raised and the worker is killed. ``None``
@@ -142,7 +142,7 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
         fetch_retries: retries of a fetch that failed transiently (connection errors,
             timeouts, HTTP 5xx/429), with exponential backoff. ``timeout`` bounds each try.
         batches_per_task: batches a worker builds in one pool task; ``"auto"`` groups cheap
-            batches (under about 2 ms of worker time) up to ``prefetch // num_workers`` a task,
+            batches (under about 2 ms of worker time) up to ``window // num_workers`` a task (16 at most),
             to spare the consumer's process a task's cost per batch. See :doc:`performance`.
 
     The positional parameters are torch's, in torch's order; aioloader's are keyword-only.

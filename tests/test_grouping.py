@@ -209,7 +209,7 @@ def only(samples: list[Any]) -> Any:
 @pytest.mark.parametrize("face", ["for", "async-for"])
 @pytest.mark.parametrize("nbytes", [1 << 10, 8 << 20], ids=["1KiB", "8MiB"])
 def test_the_default_window_is_bounded_in_batches_and_in_bytes(face: str, nbytes: int) -> None:
-    # Batches that cost nothing: the cost alone would grow the window to its most, 8x.
+    # Batches that cost nothing: the cost alone would grow the window to its most, 16x.
     # Small ones get there; 8 MiB ones stop at the 64 MiB budget (8 of them), and never
     # pass it: the window does not grow before the first batch was weighed.
     seen: list[tuple[int, int]] = []  # (window, in flight) after each batch

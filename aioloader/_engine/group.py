@@ -46,8 +46,8 @@ __all__ = [
 ]
 
 TARGET_NS = 2_000_000  # worker time a task should take before grouping stops paying
-MAX_GROUP = 8  # batches in one task at most (a group's first batch waits for its last)
-GROWTH = 8  # a growing window: at most this many times its start
+MAX_GROUP = 16  # batches in one task at most (a group's first batch waits for its last)
+GROWTH = 16  # a growing window: at most this many times its start
 WINDOW_BUDGET = 64 << 20  # a growing window: bytes of batches it may hold
 _ALPHA = 0.25  # weight of the newest measurement of worker time per batch
 
