@@ -109,6 +109,8 @@ class LoaderStats:
     """What ``batches_per_task`` chose and from what (empty where each batch is a task)."""
     window: int = 0
     """Slots in the window now: where it started (``prefetch``), or what it grew to."""
+    window_note: str = ""
+    """How the window is sized, where it may grow (empty where it is ``prefetch``)."""
     isolated: int = 0
     """StreamLoader micro-batches lost to a dying worker or overrunning ``timeout`` that
     then ran one item a task, so that only the culprit failed."""
@@ -146,6 +148,7 @@ class LoaderStats:
             f"in {self.payload_s * 1000:.0f} ms"
             + self._fetch_line()
             + (f"\n  batches per pool task: {self.grouping}" if self.grouping else "")
+            + (f"\n  window: {self.window_note}" if self.window_note else "")
             + "".join(f"\n  {line}" for line in self.settings)
         )
 
@@ -302,6 +305,7 @@ class Recorder:
             batches_per_task=self.group.size if self.group is not None else 1,
             grouping=self.group.describe() if self.group is not None else "",
             window=self.group.window if self.group is not None else self.prefetch,
+            window_note=self.group.describe_window() if self.group is not None else "",
             isolated=self.isolated,
             **self._fetch_figures(),
         )

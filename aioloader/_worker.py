@@ -420,10 +420,11 @@ def _build(ctx: WorkerContext, task: BatchTask) -> tuple[Any, tuple[tuple[int, s
             seed_raw = seed_indices = [task.position]  # seeded by the batch's position
         seeds = _seeding.start_batch(ctx.seed_samples, task.seed, task.epoch, seed_raw, seed_indices)
         hook = seeds.hook
+        rest: Sequence[int] = indices
         if hook is None and values is None and transform is None and ctx.on_error != "skip":
             _load_plainly(dataset, indices, samples, seeds, task)
-            indices = ()  # loaded: the loop below has nothing left to do
-        for k, i in enumerate(indices):  # runs for every sample: keep it lean
+            rest = ()  # loaded: the loop below has nothing left to do
+        for k, i in enumerate(rest):  # runs for every sample: keep it lean
             seeds.k = k
             if hook is not None:
                 hook(k)

@@ -133,7 +133,7 @@ class CrashDataset(RangeDataset):
     def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
         if i in self.crash_at:
             marker = Path(self.marker_dir) / f"crashed-{i}"
-            if self.always or not marker.exists():
+            if self.always or first_to_claim(str(marker)):
                 with open(marker, "a") as f:
                     f.write("x")
                 if self.how == "exit":
@@ -152,9 +152,7 @@ class HangDataset(RangeDataset):
         self.marker = marker
 
     def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
-        if i == self.hang_at and (self.marker is None or not os.path.exists(self.marker)):
-            if self.marker is not None:
-                Path(self.marker).touch()
+        if i == self.hang_at and (self.marker is None or first_to_claim(self.marker)):
             threading.Event().wait()  # a stuck sample: only a kill ends it
         return super().__getitem__(i)
 
@@ -228,8 +226,7 @@ class AugmentedCrashDataset(AugmentedDataset):
         self.marker = marker
 
     def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
-        if i == self.crash_at and not os.path.exists(self.marker):
-            Path(self.marker).touch()
+        if i == self.crash_at and first_to_claim(self.marker):
             os.kill(os.getpid(), signal.SIGKILL)
         return super().__getitem__(i)
 

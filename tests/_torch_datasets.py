@@ -130,8 +130,7 @@ class ShardedRange(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         for i in range(wid, self.n, nw):
             if i == self.fail_at:
                 raise ValueError(f"sample {i} is bad")
-            if i == self.kill_at and self.marker is not None and not os.path.exists(self.marker):
-                open(self.marker, "w").close()
+            if i == self.kill_at and self.marker is not None and first_to_claim(self.marker):
                 os.kill(os.getpid(), signal.SIGKILL)
             if i == self.block_at:
                 threading.Event().wait()  # stuck for good: only a timeout ends it

@@ -172,14 +172,15 @@ def test_a_growing_window_delivers_the_batches_of_a_fixed_one(collect: Any, pref
     ds = AugmentedDataset(400)
     with loader(ds, 1, prefetch=4) as fixed:
         want = [as_bytes(collect(fixed)) for _ in range(2)]
-        assert "grows" not in fixed.stats().grouping  # an int fixes the window
+        assert fixed.stats().window_note == ""  # an int fixes the window
     with loader(ds, "auto", prefetch=prefetch) as auto:
         got = [as_bytes(collect(auto)) for _ in range(2)]
         stats = auto.stats()
     assert got == want
     assert auto.prefetch == 4 <= stats.window <= 4 * GROWTH
     assert stats.in_flight <= 4 * GROWTH  # a window that shrank lets what is in flight finish
-    assert "grows while batches are cheap" in stats.grouping
+    assert f"{stats.window} batches (from 4, grows while batches are cheap)" == stats.window_note
+    assert f"window: {stats.window_note}" in str(stats)
 
 
 class SameArray:

@@ -98,8 +98,13 @@ class GroupPolicy:
     def describe(self) -> str:
         how = f"fixed at {self.fixed}" if self.fixed is not None else "auto"
         per = f", {self.per_batch_ns / 1e6:.3f} ms of worker time per batch" if self.per_batch_ns else ""
-        grown = f"; window {self.window} (from {self.base}, grows while batches are cheap)" if self.grow else ""
-        return f"{self.size} per task ({how}, at most {self.limit}{per}){grown}"
+        return f"{self.size} per task ({how}, at most {self.limit}{per})"
+
+    def describe_window(self) -> str:
+        """The window's line of the stats, where it may grow (else empty)."""
+        if not self.grow:
+            return ""
+        return f"{self.window} batches (from {self.base}, grows while batches are cheap)"
 
 
 def policy_for(
