@@ -151,8 +151,8 @@ class LoaderBase:
             prefetch = max(2, 2 * self._pool.concurrency)
         if auto_prefetch:
             settings.append(
-                f"prefetch='auto' starts at {prefetch}: two batches per worker of the pool, at least 2 "
-                "(a DataLoader grows it while its batches are cheap: see stats().grouping)"
+                f"prefetch='auto' starts at {prefetch}: 2 a worker, at least 2 "
+                "(a DataLoader's grows for cheap batches)"
             )
         # Not given, or "auto": a DataLoader's window may grow while its batches are
         # cheap (the grouping policy decides, within a bound in batches and in bytes).

@@ -90,6 +90,7 @@ def test_auto_settings_build_the_pool_and_say_why(face: str) -> None:
     assert stats.settings[1].startswith(f"prefetch='auto' starts at {loader.prefetch}: ")
     assert loader.prefetch <= stats.window
     assert "num_workers='auto' chose" in str(stats)
+    assert all(len(line) <= 100 for line in str(stats).splitlines()), str(stats)  # fits a terminal
 
 
 def test_auto_is_the_only_word_accepted() -> None:
