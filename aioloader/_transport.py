@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from . import _shm
@@ -49,6 +49,10 @@ class Transport:
         """The collate function to ship to the workers in place of ``collate_fn``."""
         return collate_fn
 
+    def allow_growth(self, most: int, budget: int) -> None:
+        """The loader's window may grow to ``most`` batches within ``budget`` bytes of
+        batches: size for that. Before the first run only (workers get it with it)."""
+
     def close(self) -> None:
         """Release what the transport holds (segments, arenas). Idempotent."""
 
@@ -66,6 +70,15 @@ class ShmTransport(Transport):
         if collate_fn in (default_collate, collate_torch) and isinstance(self.encode, _shm.ShmEncoder):
             return _shm.ShmCollate(self.encode, as_torch=collate_fn is collate_torch)
         return collate_fn
+
+    def allow_growth(self, most: int, budget: int) -> None:
+        # Each worker may hold the whole grown window, and as many again held by the
+        # consumer; the byte budget bounds what those slabs hold, and the room check.
+        if isinstance(self.encode, _shm.ShmEncoder):
+            cfg = self.encode.config
+            self.encode.config = replace(
+                cfg, max_slabs=max(cfg.max_slabs, 2 * most + 2), grown=most, grown_bytes=budget
+            )
 
     def close(self) -> None:
         # Called after the loader's own pool is shut down (its workers are dead), so

@@ -24,7 +24,7 @@ from . import _worker
 from ._collate import collate_torch, convert_torch, default_collate, default_convert, is_torch_dataset
 from ._engine.epochs import Cursor, EpochPass, EpochSource, Parked, WorkerSide
 from ._engine.fetch import DEFAULT_IO_BUFFER, FetchConfig, resolve_remote
-from ._engine.group import policy_for
+from ._engine.group import WINDOW_BUDGET, policy_for
 from ._engine.resume import Resumable
 from ._engine.run import Run
 from ._engine.units import RunConfig
@@ -109,7 +109,7 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
         pool: a :class:`~aioloader.WorkerPool` to share with other loaders.
         executor: any ``concurrent.futures.Executor`` to run batches on (never shut down).
         prefetch_next_epoch: start building the next epoch's first batches while the
-            current epoch's last ones are in flight (within the same ``prefetch`` bound).
+            current epoch's last ones are in flight (within the same window).
         seed_samples: how ``random``, numpy's and torch's global generators are seeded
             (see :doc:`determinism`). ``"batch"`` (default): once per batch, from
             ``(seed, epoch)`` and the batch's indices. ``"sample"`` (or ``True``): before
@@ -273,6 +273,8 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
         self._group = self._recorder.group = policy_for(
             batches_per_task, self.prefetch, self._pool, fetch is not None, grow=self._window_grows
         )
+        if self._group is not None and self._group.grow:  # slabs for the window it may grow to
+            self._transport.allow_growth(self._group.most, WINDOW_BUDGET)
         self._planner = BatchPlanner(
             length, batch_size=batch_size, shuffle=shuffle, sampler=sampler, batch_sampler=batch_sampler,
             last_batch=last_batch, seed=self.seed, shard=self.shard, shard_policy=shard_policy,

@@ -19,6 +19,7 @@ from aioloader._engine.group import GROWTH, MAX_GROUP, TARGET_NS, WINDOW_BUDGET,
 from aioloader._pool import WorkerPool
 
 from ._datasets import AugmentedDataset, CrashDataset, FailingDataset, HangDataset, RangeDataset
+from ._shm_datasets import shm_backed
 
 
 def as_bytes(batches: list[Any]) -> list[bytes]:
@@ -154,7 +155,7 @@ def test_a_growing_window_grows_for_cheap_batches_only() -> None:
     assert cheap.window == 4  # no batch weighed yet: their size is unknown, the window waits
     cheap.observe_bytes(1024)
     cheap.observe(1, TARGET_NS // 20)
-    assert (cheap.window, cheap.size) == (4 * GROWTH, MAX_GROUP)  # two groups of 8 a worker
+    assert (cheap.window, cheap.size) == (4 * GROWTH, MAX_GROUP)  # two groups of 16 a worker
     cheap.observe_bytes(WINDOW_BUDGET // 6)  # big batches: the byte budget caps the window
     cheap.observe(1, TARGET_NS // 20)
     assert cheap.window == 6 and cheap.size == 3
@@ -237,3 +238,42 @@ def test_the_default_window_is_bounded_in_batches_and_in_bytes(face: str, nbytes
     most = 4 * GROWTH if nbytes < WINDOW_BUDGET // (4 * GROWTH) else WINDOW_BUDGET // nbytes
     assert max(w for w, _ in seen) == most
     assert max(f for _, f in seen) <= most  # in flight: submitted, running or not yet taken
+
+
+@pytest.mark.parametrize("face", ["for", "async-for"])
+def test_a_grown_window_keeps_its_batches_in_shared_memory(face: str) -> None:
+    # Cheap 256 KiB batches grow the window past 10, the slabs a worker of a window of 4
+    # has (2 * 4 + 2): a worker may then hold more batches than that, and none is pickled.
+    shared: list[bool] = []
+    windows: list[int] = []
+    with aioloader.DataLoader(SameArray(400, 256 << 10), 1, num_workers=2, collate_fn=only) as dl:
+
+        def look(batch: np.ndarray) -> None:
+            shared.append(shm_backed(batch))
+            windows.append(dl.stats().window)
+
+        if face == "for":
+            for b in dl:
+                look(b)
+        else:
+
+            async def main() -> None:
+                async for b in dl:
+                    look(b)
+
+            asyncio.run(main())
+    assert len(shared) == 400 and max(windows) > 2 * 4 + 2, max(windows)
+    assert all(shared), f"{shared.count(False)} of 400 batches were pickled"
+
+
+def test_shared_memory_room_counts_the_window_a_growing_one_may_reach() -> None:
+    from aioloader._shm._names import ShmConfig
+
+    fixed = ShmConfig(consumer_pid=1, host=("h", 0, 0, 0), window=5, max_slabs=10)
+    grows = ShmConfig(
+        consumer_pid=1, host=("h", 0, 0, 0), window=5, max_slabs=130, grown=64, grown_bytes=64 << 20
+    )
+    assert [fixed.window_for(c) for c in (1 << 20, 8 << 20)] == [5, 5]
+    assert grows.window_for(512 << 10) == 65  # small batches: the whole grown window
+    assert grows.window_for(8 << 20) == 9  # 8 MiB: as far as 64 MiB lets it grow, plus one
+    assert grows.window_for(32 << 20) == 5  # never below the start

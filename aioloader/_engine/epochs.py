@@ -175,7 +175,9 @@ class EpochSource:
         if epoch not in self.plans:
             # The previous epoch's units are all taken but the run has not asked for the
             # next unit yet (one event loop, no gap for it to run): start the epoch here.
-            self._follow_on()
+            follow = self.follow
+            assert follow is not None  # continues_into(epoch) said it goes on
+            self._follow_on(follow)
         return self.plans[epoch]
 
     def continues_into(self, epoch: int) -> bool:
@@ -190,14 +192,14 @@ class EpochSource:
             while self.follow is not None and self._plan.epoch > self.consumed_epoch:
                 self._advanced.clear()  # one epoch ahead at most: wait for a consumer
                 await self._advanced.wait()
-            if self.follow is None:
+            follow = self.follow  # read once: stop_following may clear it from another thread
+            if follow is None:
                 return None
-            self._follow_on()
+            self._follow_on(follow)
 
-    def _follow_on(self) -> None:
-        """Go on into the epoch after the current plan's (``follow`` must be set)."""
-        assert self.follow is not None
-        plan = self.follow(self._plan.epoch + 1, self._plan.carry_out)
+    def _follow_on(self, follow: Callable[[int, np.ndarray], EpochPlan]) -> None:
+        """Go on into the epoch after the current plan's, planned by ``follow``."""
+        plan = follow(self._plan.epoch + 1, self._plan.carry_out)
         self.plans[plan.epoch] = self._plan = plan
         self._positions = iter(range(len(plan)))
 

@@ -106,19 +106,24 @@ def resolve_remote(dataset: Any, fetch: Any, transform: Any) -> tuple[Any, Any, 
     return items, own_fetch, transform
 
 
-def nbytes(value: Any) -> int:
-    """What a fetched value weighs against ``io_buffer``: ``len`` of bytes, ``nbytes``
-    of arrays and memoryviews, the sum over a tuple/list/dict's members (a ``(bytes,
-    label)`` pair weighs its bytes), else ``sys.getsizeof``."""
+def nbytes(value: Any, depth: int = 4) -> int:
+    """What a fetched value or a batch weighs (against ``io_buffer``, a growing window):
+    ``len`` of bytes, ``nbytes`` of arrays, tensors and memoryviews, the sum over a
+    tuple/list/dict's members (a ``(bytes, label)`` pair weighs its bytes) and over an
+    object's attributes (a dataclass), ``depth`` levels down; else ``sys.getsizeof``."""
     if isinstance(value, (bytes, bytearray)):
         return len(value)
     size = getattr(value, "nbytes", None)
     if isinstance(size, int):
         return size
-    if isinstance(value, (tuple, list)):
-        return sum(nbytes(v) for v in value)
-    if isinstance(value, dict):
-        return sum(nbytes(v) for v in value.values())
+    if depth > 0:
+        if isinstance(value, (tuple, list)):
+            return sum(nbytes(v, depth - 1) for v in value)
+        if isinstance(value, dict):
+            return sum(nbytes(v, depth - 1) for v in value.values())
+        members = getattr(value, "__dict__", None)
+        if isinstance(members, dict) and not isinstance(value, type):
+            return sys.getsizeof(value) + sum(nbytes(v, depth - 1) for v in members.values())
     return sys.getsizeof(value)
 
 

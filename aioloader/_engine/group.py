@@ -9,7 +9,8 @@ cheap, the run gives a worker several of them in one task:
 * the **policy** (:class:`GroupPolicy`) picks how many: a fixed number, or, for
   ``"auto"``, enough that a task keeps its worker busy about :data:`TARGET_NS`, from the
   worker time per batch that it measures as the loader runs; at most
-  ``prefetch // workers``, so that every worker still has work;
+  ``window // workers``, so that every worker still has work; with a DataLoader's
+  default ``prefetch`` it also grows the window while batches are cheap;
 * the **stage** (:class:`GroupStage`) runs them: the run's producer reserves a group's
   window slots first and then takes its units, so the units still hold one slot each
   and the window bounds batches, not tasks; a group whose units ended early (the source
@@ -73,6 +74,11 @@ class GroupPolicy:
         self.batch_bytes: int | None = None
 
     @property
+    def most(self) -> int:
+        """The most batches the window may hold, ever."""
+        return self.base * GROWTH if self.grow else self.base
+
+    @property
     def limit(self) -> int:
         return self.window if self.fixed is not None else max(1, self.window // self.workers)
 
@@ -90,7 +96,7 @@ class GroupPolicy:
         if self.fixed is None:
             want = min(MAX_GROUP, math.ceil(TARGET_NS / max(self.per_batch_ns, 1.0)))
             if self.grow and self.batch_bytes is not None:  # not before a batch was weighed
-                window = min(self.base * GROWTH, 2 * self.workers * want)
+                window = min(self.most, 2 * self.workers * want)
                 window = min(window, WINDOW_BUDGET // max(1, self.batch_bytes))
                 self.window = max(self.base, window)
             self.size = max(1, min(self.limit, want))

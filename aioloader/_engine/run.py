@@ -73,7 +73,7 @@ class Run:
         self.source = source
         self.loop = asyncio.get_running_loop()
         self.sem = asyncio.Semaphore(cfg.prefetch)
-        self.window = cfg.prefetch  # the semaphore's size; a policy may grow it (prefetch="auto")
+        self.window = cfg.prefetch  # the semaphore's size; the grouping policy may grow it
         self._debt = 0  # slots to withhold as they free, after the window shrank
         self.ready: asyncio.Queue[Any] = asyncio.Queue()
         self.units: dict[asyncio.Future[Any], Unit] = {}  # submitted and not yet taken
@@ -262,12 +262,12 @@ class Run:
             if data is not None:
                 if self.cfg.decode is not None:
                     data = self.cfg.decode(data)
-                if (
-                    self.grouper is not None
-                    and self.grouper.policy.grow
-                    and not self.cfg.recorder.batches % 32
-                ):
-                    self.grouper.policy.observe_bytes(nbytes(data))  # one delivery in 32 is weighed
+                policy = self.grouper.policy if self.grouper is not None else None
+                if policy is not None and policy.grow:
+                    # The first delivery is weighed, then one in 4 while the window is
+                    # above its start (so a change of size shrinks it soon), else one in 32.
+                    if not self.cfg.recorder.batches % (4 if policy.window > policy.base else 32):
+                        policy.observe_bytes(nbytes(data))
             return Delivery(unit, data, res.skipped, None, entry, time.monotonic_ns() - t0)
 
     def release(self, d: Delivery, rec: _Epoch, waited_ns: int | None = None) -> None:

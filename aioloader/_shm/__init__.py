@@ -9,8 +9,9 @@ Vocabulary
     *ticket* of the batch occupying it.
 *arena*
     A worker's slabs for one consumer process: created lazily, reused for every later
-    batch, at most ``max_slabs`` of them (``2 * prefetch + 2``); a slab left unused for
-    ``4 * max_slabs`` batches is dropped, so an arena follows its working set.
+    batch, at most ``max_slabs`` of them (``2 * window + 2``, for the most the window
+    may grow to); a slab left unused for ``4 * max_slabs`` batches is dropped, so an
+    arena follows its working set.
 *descriptor*
     What crosses the executor's pipe instead of the arrays: the batch itself, pickled,
     with every large leaf replaced by a reference to its bytes (offset, shape, dtype) in
@@ -57,7 +58,7 @@ Ownership rules
    arenas for the next loader (bounded by ``max_slabs`` each).
 7. **Too little room.** Before a worker creates a slab larger than any it has, it checks
    ``os.statvfs('/dev/shm')`` for room for the whole window (``(prefetch + 1) x`` the
-   slab). If it is short, or creation fails, the worker sends that loader's batches
+   slab; a window that grows counts as far as it may grow for batches that large). If it is short, or creation fails, the worker sends that loader's batches
    pickled from then on, and the consumer emits one :class:`ShmFallbackWarning` saying
    how to enlarge ``/dev/shm``. ``AIOLOADER_SHM_CAPACITY`` (bytes, ``K``/``M``/``G``
    suffixes) caps the free space assumed, for tests and for sharing a node politely.

@@ -169,10 +169,11 @@ class _Arena:
         mine = self.bytes() - (victim.capacity if victim is not None else 0)
         largest = max((s.capacity for s in self.slabs if s is not victim), default=0)
         # Room for the whole window at the largest size seen, counting what we already hold.
-        if cap > largest and cap * cfg.window > avail + mine:
+        window = cfg.window_for(cap)
+        if cap > largest and cap * window > avail + mine:
             return (
                 f"{shm_dir} has {avail / 2**20:.0f} MiB free but the loader's window needs "
-                f"{cap * cfg.window / 2**20:.0f} MiB ({cfg.window} batches of up to "
+                f"{cap * window / 2**20:.0f} MiB ({window} batches of up to "
                 f"{cap / 2**20:.0f} MiB); batches are pickled through the pipe instead, which is "
                 f"several times slower for large arrays. {enlarge_advice()}"
             )

@@ -31,6 +31,15 @@ class ShmConfig:
     max_slabs: int  # per worker arena
     min_leaf_bytes: int = MIN_LEAF_BYTES
     capacity: int | None = None  # cap on the free /dev/shm bytes assumed
+    grown: int = 0  # a window that grows: at most this many batches (0: it does not grow)
+    grown_bytes: int = 0  # ... and at most this many bytes of batches
+
+    def window_for(self, cap: int) -> int:
+        """Batches of ``cap`` bytes that may occupy slabs at once when nobody holds any:
+        the window, or, where it grows, as far as it may grow for batches that large."""
+        if not self.grown:
+            return self.window
+        return max(self.window, min(self.grown, self.grown_bytes // max(1, cap)) + 1)
 
 
 def path(name: str) -> str:
