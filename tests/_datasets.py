@@ -243,7 +243,7 @@ class KillableDataset(RangeDataset):
         self.marker = marker
 
     def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
-        if i == self.gate_at and not os.path.exists(self.marker):
+        if i == self.gate_at and first_to_claim(f"{self.marker}.claimed"):
             tmp = f"{self.marker}.{os.getpid()}.tmp"
             with open(tmp, "w") as f:
                 f.write(str(os.getpid()))
