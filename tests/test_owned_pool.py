@@ -143,6 +143,31 @@ def test_shutdown_waits_for_submitted_work_or_cancels_what_has_not_started(tmp_p
     assert all(f.done() for f in queued)
 
 
+@pytest.mark.parametrize("kind", ["processes", "thread"])
+def test_a_future_cancelled_before_a_worker_takes_it_never_runs(tmp_path: Path, kind: str) -> None:
+    gate, log = tmp_path / "gate", tmp_path / "ran"
+    os.mkfifo(gate)
+    log.touch()
+    pool = aioloader.WorkerPool(1 if kind == "processes" else 0)
+    try:
+        held = pool.submit(D.pid_after, str(gate))  # the one worker waits at the gate
+        queued = [pool.submit(D.note, str(log), k) for k in range(6)]
+        cancelled = [k for k, f in enumerate(queued) if f.cancel()]
+        # A worker holds at most two jobs it has not answered: the held one and one more.
+        assert len(cancelled) >= len(queued) - 1, cancelled
+        os.close(os.open(gate, os.O_WRONLY))
+        assert held.result(timeout=60) > 0
+        assert pool.submit(D.note, str(log), 99).result(timeout=60) == 99  # runs after the rest
+        ran = [int(line) for line in log.read_text().split()]
+        assert ran == [k for k in range(6) if k not in cancelled] + [99]
+        for k in cancelled:
+            with pytest.raises(cf.CancelledError):
+                queued[k].result(timeout=0)
+        assert all(f.done() for f in queued)
+    finally:
+        pool.shutdown(wait=True)
+
+
 def test_worker_pids_and_stats_are_safe_from_any_thread_at_any_moment() -> None:
     stop = threading.Event()
     errors: list[BaseException] = []

@@ -46,8 +46,8 @@ class Job:
     """One submission of one task: what to run, and, once settled, its outcome."""
 
     __slots__ = (
-        "__weakref__", "alone", "args", "callback", "done", "fn", "lost", "outcome", "sent_ns", "seq",
-        "stopped", "submit_ns", "task_id", "waiter", "waker", "worker",
+        "__weakref__", "alone", "args", "callback", "done", "fn", "gate", "lost", "outcome", "sent_ns",
+        "seq", "stopped", "submit_ns", "task_id", "waiter", "waker", "worker",
     )  # fmt: skip
 
     def __init__(
@@ -68,6 +68,18 @@ class Job:
         self.waiter: Any = None  # the asyncio future the awaiting task waits on
         self.waker: Waker | None = None
         self.callback: Callable[[Job], None] | None = None  # the Executor face's future
+        # The Executor face's ``Future.set_running_or_notify_cancel``: asked once, as the
+        # job first leaves for a worker; false means its submitter cancelled it.
+        self.gate: Callable[[], bool] | None = None
+
+    def begins(self) -> bool:
+        """May the job go to a worker now? Always, but for a job whose submitter
+        cancelled it before any worker took it (then it never runs)."""
+        gate = self.gate
+        if gate is None:
+            return True
+        self.gate = None  # once: a job sent again after a death is running already
+        return gate()
 
     def settle(self, outcome: Outcome | None = None, lost: Lost | None = None) -> bool:
         """Give the job its outcome (or say it is lost), once; wakes whoever waits.

@@ -63,6 +63,9 @@ class Thread:
                 return
             if job.done:
                 continue
+            if not job.begins():  # cancelled by its submitter before it ran
+                job.settle(lost=Lost())
+                continue
             with self._lock:
                 self._running = job
             fn, args = job.fn, job.args
@@ -131,6 +134,9 @@ class Borrowed:
         pass
 
     def submit(self, job: Job) -> None:
+        if not job.begins():  # cancelled by its submitter already
+            job.settle(lost=Lost())
+            return
         try:
             fut = self.executor.submit(job.fn, *job.args)
         except Exception as exc:

@@ -271,7 +271,9 @@ class WorkerPool(cf.Executor):
         """Run ``fn(*args, **kwargs)`` on one of the pool's workers (see
         ``concurrent.futures.Executor.submit``). A worker that dies while it runs the
         function fails its future with :class:`~aioloader.WorkerCrashedError`; the other
-        tasks go on, and the worker is replaced."""
+        tasks go on, and the worker is replaced. A future cancelled before a worker takes
+        its task never runs; once one has (a worker may hold one task ahead of the one it
+        runs; a borrowed executor takes each at once), ``cancel()`` returns ``False``."""
         with self._lock:
             if self._shutting_down or self._closed:
                 raise RuntimeError("cannot schedule new futures after shutdown")
@@ -279,6 +281,7 @@ class WorkerPool(cf.Executor):
         call = functools.partial(fn, *args, **kwargs) if kwargs else fn
         job = Job(call, args if not kwargs else (), None)
         job.callback = functools.partial(_to_future, fut)
+        job.gate = fut.set_running_or_notify_cancel  # a future cancelled before it leaves never runs
         backend = self._backend()
         backend.start()
         backend.submit(job)

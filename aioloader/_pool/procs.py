@@ -122,7 +122,7 @@ class Procs:
         self._lock = threading.RLock()
         self._idle = threading.Condition(self._lock)  # notified as jobs leave the workers
         self._pending: collections.deque[Job] = collections.deque()
-        self._unsent: list[tuple[Job, _reply.Outcome]] = []
+        self._unsent: list[tuple[Job, _reply.Outcome | None]] = []
         self._workers: list[_Worker | None] = [None] * n
         self._by_pid: dict[int, _Worker] = {}
         self._requests: dict[int, int] = {}  # the zygote's request number -> slot, until answered
@@ -237,6 +237,8 @@ class Procs:
                 w = self._least_busy()
                 if w is None or self._pending or not self._takes(w, job):
                     self._pending.append(job)
+                elif not job.begins():
+                    lost = Lost()  # cancelled by its submitter before it went anywhere
                 else:
                     error = self._send(w, job)
         if lost is not None:
@@ -293,10 +295,14 @@ class Procs:
 
     def _flush_pending(self, w: _Worker) -> None:
         """Give ``w`` queued jobs while it has room (the lock held). A job that cannot be
-        pickled waits in :attr:`_unsent` to be settled once the lock is released."""
+        pickled, or that its submitter cancelled (``None``), waits in :attr:`_unsent` to be
+        settled once the lock is released."""
         while self._pending and self._takes(w, self._pending[0]):
             job = self._pending.popleft()
             if job.done:
+                continue
+            if not job.begins():  # cancelled by its submitter: it ends unsent
+                self._unsent.append((job, None))
                 continue
             error = self._send(w, job)
             if error is not None:
@@ -309,7 +315,10 @@ class Procs:
                 job, error = self._unsent.pop()
             except IndexError:
                 return
-            job.settle(error)
+            if error is None:
+                job.settle(lost=Lost())  # its submitter cancelled it
+            else:
+                job.settle(error)
 
     def _wake(self) -> None:
         with contextlib.suppress(BlockingIOError, OSError):
