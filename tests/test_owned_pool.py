@@ -18,6 +18,7 @@ import pytest
 import aioloader
 
 from . import _owned_pool_datasets as D
+from ._datasets import KillableDataset, RangeDataset
 from .conftest import wait_until
 
 pytestmark = pytest.mark.timeout(180)
@@ -166,6 +167,47 @@ def test_a_future_cancelled_before_a_worker_takes_it_never_runs(tmp_path: Path, 
         assert all(f.done() for f in queued)
     finally:
         pool.shutdown(wait=True)
+
+
+def _labels(batches: list[Any]) -> list[list[int]]:
+    return [b[1].tolist() for b in batches]
+
+
+@pytest.mark.parametrize("face", FACES)
+def test_two_live_pools_a_death_in_one_leaves_the_other_alone(tmp_path: Path, face: str) -> None:
+    marker = tmp_path / "holder"
+    clean = [list(range(k, k + 4)) for k in range(0, 40, 4)]
+    opts: dict[str, Any] = {"num_workers": 2, "prefetch_next_epoch": False}
+    with (
+        aioloader.DataLoader(KillableDataset(40, 13, str(marker)), 4, **opts) as a,
+        aioloader.DataLoader(RangeDataset(40), 4, **opts) as b,
+    ):
+        b_iter = iter(b)
+        b_out = [next(b_iter)]  # b's pool is up and serving while a's worker dies
+        a_out: list[list[Any]] = []
+        consumer = threading.Thread(
+            target=lambda: a_out.append(list(a) if face == "for" else asyncio.run(_collect(a)))
+        )
+        consumer.start()
+        try:
+            wait_until(lambda: marker.exists(), 60.0, "a's worker to hold sample 13")
+            a_pids, b_pids = set(a.worker_pids()), set(b.worker_pids())
+            assert len(a_pids) == len(b_pids) == 2 and not a_pids & b_pids  # two pools
+            victim = int(marker.read_text())
+            assert victim in a_pids
+            os.kill(victim, signal.SIGKILL)
+            b_out += list(b_iter)
+        finally:
+            consumer.join(60)
+        assert not consumer.is_alive() and _labels(a_out[0]) == clean
+        assert _labels(b_out) == clean
+        assert (a.stats().restarts, b.stats().restarts) == (1, 0)
+        assert set(b.worker_pids()) == b_pids  # b's workers never noticed
+        assert victim not in a.worker_pids() and len(a.worker_pids()) == 2
+
+
+async def _collect(loader: Any) -> list[Any]:
+    return [x async for x in loader]
 
 
 def test_worker_pids_and_stats_are_safe_from_any_thread_at_any_moment() -> None:
