@@ -225,7 +225,8 @@ def test_worker_crash_is_survived_and_epoch_identical(collect, tmp_path: Path, c
 
 def test_sample_that_always_crashes_raises_worker_crashed(collect, tmp_path: Path) -> None:
     ds = CrashDataset(16, {6}, str(tmp_path), always=True)
-    with aioloader.DataLoader(ds, 4, num_workers=2, max_retries=2) as loader:
+    # No speculative next epoch: its own load of sample 6 would be a fourth death.
+    with aioloader.DataLoader(ds, 4, num_workers=2, max_retries=2, prefetch_next_epoch=False) as loader:
         with pytest.raises(aioloader.WorkerCrashedError) as info:
             collect(loader)
         err = info.value
