@@ -126,9 +126,11 @@ class LoaderBase:
             num_workers, why = available_cpus()
             settings.append(f"num_workers='auto' chose {num_workers}: {why}")
         num_workers = check_num_workers(num_workers)
-        prefetch_given = prefetch
         auto_prefetch = isinstance(prefetch, str) and prefetch == "auto"
-        if prefetch is not None and not auto_prefetch:
+        # Not given, or "auto": a DataLoader's window may grow while its batches are
+        # cheap (the grouping policy decides, within a bound in batches and in bytes).
+        self._window_grows = prefetch is None or auto_prefetch
+        if not self._window_grows:
             prefetch = check_int("prefetch", prefetch, 1)
         check_choice("transport", transport, ("auto", "shm", "pickle"))
         if pool is not None and not isinstance(pool, WorkerPool):
@@ -147,16 +149,13 @@ class LoaderBase:
         else:
             self._pool, owns_pool = WorkerPool(num_workers, mp_context=mp_context), True
         self.num_workers: int = num_workers
-        if prefetch is None or auto_prefetch:
+        if self._window_grows:
             prefetch = max(2, 2 * self._pool.concurrency)
         if auto_prefetch:
             settings.append(
                 f"prefetch='auto' starts at {prefetch}: 2 a worker, at least 2 "
                 "(a DataLoader's grows for cheap batches)"
             )
-        # Not given, or "auto": a DataLoader's window may grow while its batches are
-        # cheap (the grouping policy decides, within a bound in batches and in bytes).
-        self._window_grows = prefetch_given is None or auto_prefetch
         self.prefetch: int = prefetch
         self._transport: Transport = make_transport(
             transport, pool_kind=self._pool.kind, prefetch=self.prefetch

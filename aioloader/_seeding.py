@@ -46,29 +46,26 @@ SeedMode = Literal["batch", "sample", False]
 
 
 class BatchSeeds:
-    """The batch being built in this thread. ``k`` is the position of the sample it
-    loads: the loop sets it (one attribute store a sample), or points ``loaded`` at the
-    list of the samples loaded so far, whose length is then ``k`` (no store at all). The
-    loop calls ``hook(k)`` when it is not ``None`` (``"sample"`` mode, which seeds the
-    global generators for each sample)."""
+    """The batch being built in this thread. The position of the sample it loads
+    (:meth:`position`) is ``k``, which the loop sets (one attribute store a sample), or,
+    while ``loaded`` points at the list of the samples loaded so far, that list's length
+    (no store at all). The loop calls ``hook(k)`` when it is not ``None`` (``"sample"``
+    mode, which seeds the global generators for each sample)."""
 
-    __slots__ = ("_k", "epoch", "hook", "indices", "loaded", "rng", "rng_k", "seed")
+    __slots__ = ("epoch", "hook", "indices", "k", "loaded", "rng", "rng_k", "seed")
 
     def __init__(self, seed: int, epoch: int, indices: Sequence[int]) -> None:
         self.seed, self.epoch, self.indices = seed, epoch, indices
-        self._k = 0
+        self.k = 0
         self.loaded: list[Any] | None = None
         self.hook: Callable[[int], None] | None = None
         self.rng: np.random.Generator | None = None
         self.rng_k = -1  # the position ``rng`` was made for
 
-    @property
-    def k(self) -> int:
-        return self._k if self.loaded is None else len(self.loaded)
-
-    @k.setter
-    def k(self, k: int) -> None:
-        self._k = k
+    def position(self) -> int:
+        """The position in the batch of the sample being loaded."""
+        loaded = self.loaded
+        return self.k if loaded is None else len(loaded)
 
 
 class _Local(threading.local):
@@ -240,7 +237,7 @@ def sample_key() -> tuple[int, int, int] | None:
     """``(seed, epoch, index)`` of the sample being loaded in this thread, or ``None``."""
     b = _local.batch
     if b is not None:
-        return (b.seed, b.epoch, int(b.indices[b.k]))
+        return (b.seed, b.epoch, int(b.indices[b.position()]))
     return _local.key
 
 
@@ -255,9 +252,10 @@ def sample_rng() -> np.random.Generator:
     """
     b = _local.batch
     if b is not None:
-        if b.rng_k == b.k and b.rng is not None:
+        k = b.position()
+        if b.rng_k == k and b.rng is not None:
             return b.rng
-        b.rng, b.rng_k = _rng_for(b.seed, b.epoch, int(b.indices[b.k])), b.k
+        b.rng, b.rng_k = _rng_for(b.seed, b.epoch, int(b.indices[k])), k
         return b.rng
     rng = _local.rng
     if rng is not None:

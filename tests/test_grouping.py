@@ -209,6 +209,21 @@ def only(samples: list[Any]) -> Any:
     return samples[0]
 
 
+def each_batch(dl: Any, face: str, look: Any) -> None:
+    """Call ``look(batch)`` on each batch of an epoch, through ``for`` or ``async for``:
+    the loader's stats are read while it runs."""
+    if face == "for":
+        for b in dl:
+            look(b)
+        return
+
+    async def main() -> None:
+        async for b in dl:
+            look(b)
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("face", ["for", "async-for"])
 @pytest.mark.parametrize("nbytes", [1 << 10, 8 << 20], ids=["1KiB", "8MiB"])
 def test_the_default_window_is_bounded_in_batches_and_in_bytes(face: str, nbytes: int) -> None:
@@ -225,16 +240,7 @@ def test_the_default_window_is_bounded_in_batches_and_in_bytes(face: str, nbytes
             st = dl.stats()
             seen.append((st.window, st.in_flight))
 
-        if face == "for":
-            for b in dl:
-                look(b)
-        else:
-
-            async def main() -> None:
-                async for b in dl:
-                    look(b)
-
-            asyncio.run(main())
+        each_batch(dl, face, look)
         assert dl.prefetch == 4 and len(seen) == 64
     most = 4 * GROWTH if nbytes < WINDOW_BUDGET // (4 * GROWTH) else WINDOW_BUDGET // nbytes
     assert max(w for w, _ in seen) == most
@@ -253,16 +259,7 @@ def test_a_grown_window_keeps_its_batches_in_shared_memory(face: str) -> None:
             shared.append(shm_backed(batch))
             windows.append(dl.stats().window)
 
-        if face == "for":
-            for b in dl:
-                look(b)
-        else:
-
-            async def main() -> None:
-                async for b in dl:
-                    look(b)
-
-            asyncio.run(main())
+        each_batch(dl, face, look)
     assert len(shared) == 400 and max(windows) > 2 * 4 + 2, max(windows)
     assert all(shared), f"{shared.count(False)} of 400 batches were pickled"
 

@@ -19,7 +19,7 @@ import aioloader
 
 from . import _owned_pool_datasets as D
 from ._datasets import KillableDataset, RangeDataset
-from .conftest import wait_until
+from .conftest import _collect_async, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 FACES = ["for", "async-for"]
@@ -186,7 +186,7 @@ def test_two_live_pools_a_death_in_one_leaves_the_other_alone(tmp_path: Path, fa
         b_out = [next(b_iter)]  # b's pool is up and serving while a's worker dies
         a_out: list[list[Any]] = []
         consumer = threading.Thread(
-            target=lambda: a_out.append(list(a) if face == "for" else asyncio.run(_collect(a)))
+            target=lambda: a_out.append(list(a) if face == "for" else _collect_async(a))
         )
         consumer.start()
         try:
@@ -206,10 +206,6 @@ def test_two_live_pools_a_death_in_one_leaves_the_other_alone(tmp_path: Path, fa
         wait_until(  # the replacement may still be starting when the epoch ends
             lambda: victim not in a.worker_pids() and len(a.worker_pids()) == 2, 30.0, "a's new worker"
         )
-
-
-async def _collect(loader: Any) -> list[Any]:
-    return [x async for x in loader]
 
 
 def test_worker_pids_and_stats_are_safe_from_any_thread_at_any_moment() -> None:

@@ -112,9 +112,6 @@ class _ArrayOrder:
         return self.order[lo:hi]
 
 
-_BLOCK = 4096  # positions of a shuffled order computed at once (32 KiB)
-
-
 class _ComputedOrder:
     """Rank ``rank``'s part of epoch order: global position ``rank + world * p``, taken
     modulo ``n`` (``pad`` wraps to the start) and shuffled when ``shuffle`` is given."""
@@ -127,24 +124,8 @@ class _ComputedOrder:
         self.wraps = world > 1 and policy == "pad" and self.count * world > n
         self.shuffle = shuffle
         self.dtype: IndexType = _index_dtype(n)
-        self._block: tuple[int, Indices] | None = None  # (first position, its order)
 
     def take(self, lo: int, hi: int) -> Indices:
-        """The indices at positions ``lo`` to ``hi``. A shuffled order is computed a
-        block of :data:`_BLOCK` positions at a time: the permutation costs a few dozen
-        numpy calls whatever their length, so a batch of 256 paid ~150 us for what a
-        block computes at ~16 us a batch."""
-        if self.shuffle is None or hi - lo >= _BLOCK or hi > self.count:
-            return self._compute(lo, hi)
-        first = lo - lo % _BLOCK
-        if hi > first + _BLOCK:  # spans two blocks: rare, computed as it is
-            return self._compute(lo, hi)
-        block = self._block
-        if block is None or block[0] != first:
-            block = self._block = (first, self._compute(first, min(first + _BLOCK, self.count)))
-        return block[1][lo - first : hi - first].copy()
-
-    def _compute(self, lo: int, hi: int) -> Indices:
         pos = np.arange(lo, hi, dtype=np.uint64)
         if self.world > 1:
             pos *= np.uint64(self.world)
