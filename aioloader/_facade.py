@@ -31,7 +31,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from multiprocessing.context import BaseContext
 from typing import Any, ClassVar, Protocol, TypeVar
 
-from . import _mainguard, _worker
+from . import _mainguard
 from ._cpus import available_cpus
 from ._engine.run import Run
 from ._engine.units import Delivery, Failed, RunConfig, closed_while_iterating
@@ -45,6 +45,7 @@ from ._stats import LoaderStats, Recorder
 from ._trace import Tracer
 from ._transport import Transport, TransportKind, make_transport
 from ._validate import check_choice, check_int, check_num_workers
+from ._worker import tasks as _tasks
 from .errors import LoaderClosedError
 
 __all__ = ["IterableLoader", "Lifecycle", "LoaderBase", "Pass"]
@@ -183,7 +184,7 @@ class LoaderBase:
         )
 
     # ------------------------------------------------------------------ payload
-    def _worker_context(self) -> _worker.WorkerContext:
+    def _worker_context(self) -> _tasks.WorkerContext:
         raise NotImplementedError
 
     def _pickled_parts(self) -> Sequence[tuple[str, object]]:
@@ -257,8 +258,8 @@ class LoaderBase:
         with contextlib.suppress(Exception):
             self._pool.start()
 
-    def _install_inline(self, ctx: _worker.WorkerContext) -> None:
-        _worker.install_context(self._token, ctx)
+    def _install_inline(self, ctx: _tasks.WorkerContext) -> None:
+        _tasks.install_context(self._token, ctx)
 
     # ---------------------------------------------------------------- lifecycle
     @property

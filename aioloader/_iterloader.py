@@ -17,7 +17,6 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import _worker
 from ._engine.epochs import WorkerSide
 from ._engine.run import Run
 from ._engine.shards import ShardPosition, ShardSource
@@ -26,6 +25,7 @@ from ._facade import Pass
 from ._stats import Recorder
 from ._torch_compat import PinningPass
 from ._validate import check_bool, check_int
+from ._worker import tasks as _tasks
 from .errors import StateDictError
 from .loader import DataLoader
 
@@ -134,8 +134,8 @@ class IterableDataLoader(DataLoader[Any]):
         self._iter_active: _ShardPass | None = None
 
     # -------------------------------------------------------------------- payload
-    def _worker_context(self) -> _worker.WorkerContext:
-        return _worker.WorkerContext(
+    def _worker_context(self) -> _tasks.WorkerContext:
+        return _tasks.WorkerContext(
             dataset=self.dataset,
             transform=self.transform,
             collate_fn=self._transport.wrap_collate(self._worker_collate()),

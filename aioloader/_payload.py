@@ -4,7 +4,7 @@ stream's ``fn``) made ready to reach the workers, in the consumer, once per load
 Three ways, chosen by what the context holds: plain pickle (importable objects go by
 reference) with its large numpy arrays out of band in a shared-memory data segment
 (:mod:`aioloader._shm._dataseg`); by value through cloudpickle (lambdas, what an
-interactive ``__main__`` defined: :mod:`aioloader._byvalue`); or, for ``multiprocessing``
+interactive ``__main__`` defined: :mod:`aioloader._worker.byvalue`); or, for ``multiprocessing``
 primitives, as the object itself, which the pool passes to its workers as they start.
 An object that can take none of them is named in a :class:`DatasetPickleError`.
 """
@@ -16,9 +16,10 @@ import pickle
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import _byvalue, _culprit
 from ._shm import _dataseg
 from ._shm._dataseg import DataSegment
+from ._worker import byvalue as _byvalue
+from ._worker import culprit as _culprit
 from .errors import DatasetPickleError
 
 __all__ = ["pickle_for_workers"]
@@ -46,7 +47,7 @@ def pickle_for_workers(
 
     ``multiprocessing`` primitives (``Value``, ``Lock``, ``Queue``) pickle only while a
     process starts. With ``inherit``, the start method of an owned process pool, a context
-    holding them comes back as :class:`~aioloader._byvalue.Inherited`, for the pool to
+    holding them comes back as :class:`~aioloader._worker.byvalue.Inherited`, for the pool to
     pass to its workers when they start; without, that is a :class:`DatasetPickleError`
     saying so.
     """

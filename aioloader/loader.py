@@ -20,7 +20,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterat
 from multiprocessing.context import BaseContext
 from typing import Any, Generic, Literal
 
-from . import _worker
 from ._collate import collate_torch, convert_torch, default_collate, default_convert, is_torch_dataset
 from ._engine.epochs import Cursor, EpochPass, EpochSource, Parked, WorkerSide
 from ._engine.fetch import DEFAULT_IO_BUFFER, FetchConfig, resolve_remote
@@ -46,6 +45,7 @@ from ._validate import (
     check_unbatched,
     is_iterable_dataset,
 )
+from ._worker import tasks as _tasks
 from .errors import PoolBrokenError
 
 __all__ = ["DataLoader"]
@@ -317,8 +317,8 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
                 return convert_torch
         return self.collate_fn
 
-    def _worker_context(self) -> _worker.WorkerContext:
-        return _worker.WorkerContext(
+    def _worker_context(self) -> _tasks.WorkerContext:
+        return _tasks.WorkerContext(
             dataset=None if self._fetch is not None else self.dataset,
             transform=self.transform,
             collate_fn=self._transport.wrap_collate(self._worker_collate()),
@@ -450,4 +450,3 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
             f"<aioloader.DataLoader batch_size={self.batch_size} num_workers={self.num_workers} "
             f"prefetch={self.prefetch} {self._state.value}>"
         )
-

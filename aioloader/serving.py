@@ -38,18 +38,18 @@ from dataclasses import dataclass
 from multiprocessing.context import BaseContext
 from typing import Any, Generic
 
-from . import _worker
 from ._engine.epochs import WorkerSide
 from ._engine.requests import RequestQueue, ServeCounters, percentiles
 from ._engine.run import Run
 from ._engine.units import RunConfig
 from ._facade import LoaderBase
 from ._pool import WorkerPool
-from ._serve_worker import PerBatch, PerItem
 from ._stats import Recorder, fmt_ms
-from ._stream_worker import StreamContext
 from ._types import Batch
 from ._validate import check_bool, check_int, check_seconds
+from ._worker import tasks as _tasks
+from ._worker.serve import PerBatch, PerItem
+from ._worker.stream import StreamContext
 from .errors import LoaderClosedError
 
 __all__ = ["Batcher", "BatcherStats"]
@@ -205,7 +205,7 @@ class Batcher(LoaderBase, Generic[Batch]):
     def _pickled_parts(self) -> Sequence[tuple[str, object]]:
         return (("fn", self.fn),)
 
-    def _install_inline(self, ctx: _worker.WorkerContext) -> None:
+    def _install_inline(self, ctx: _tasks.WorkerContext) -> None:
         assert isinstance(ctx, StreamContext)
         self._inline_ctx = ctx
 

@@ -22,7 +22,6 @@ from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, I
 from multiprocessing.context import BaseContext
 from typing import Any, ClassVar, Generic, Literal
 
-from . import _worker
 from ._collate import default_collate
 from ._engine.batcher import Batcher
 from ._engine.epochs import WorkerSide
@@ -33,9 +32,10 @@ from ._engine.units import Delivery, RunConfig
 from ._facade import IterableLoader
 from ._pool import WorkerPool
 from ._stats import Recorder
-from ._stream_worker import Chain, StreamContext
 from ._types import Batch, StreamSource
 from ._validate import check_bool, check_choice, check_int, check_seconds
+from ._worker import tasks as _tasks
+from ._worker.stream import Chain, StreamContext
 
 __all__ = ["END", "StreamLoader"]
 
@@ -205,7 +205,7 @@ class StreamLoader(IterableLoader, Generic[Batch]):
     def _pickled_parts(self) -> Sequence[tuple[str, object]]:
         return (("fn", self.fn), ("transform", self.transform), ("collate_fn", self.collate_fn))
 
-    def _install_inline(self, ctx: _worker.WorkerContext) -> None:
+    def _install_inline(self, ctx: _tasks.WorkerContext) -> None:
         assert isinstance(ctx, StreamContext)
         self._inline_ctx = ctx  # rides along with every task: nothing is pickled
 

@@ -203,3 +203,21 @@ async def fetch_blob(key: int) -> Blob:
 def blob_key(blob: Blob) -> int:
     """The worker-side transform: the key the Blob was fetched for."""
     return blob.data[0]
+
+
+def big_value(key: int) -> tuple[bytes, int]:
+    """A fetched sample as HTTP and S3 bodies come: ``(bytes, label)``, large enough to
+    travel beside a task's pickle (64 KiB and more), different for each key."""
+    return bytes((key * 31 + j) % 251 for j in range(256)) * (256 + key), key
+
+
+async def fetch_big(key: int) -> tuple[bytes, int]:
+    return big_value(key)
+
+
+def describe_value(raw: tuple[bytes, int]) -> tuple[str, int, int, int]:
+    """The worker-side transform: what the worker got (its type, size, checksum, label)."""
+    import zlib
+
+    data, key = raw
+    return type(data).__name__, len(data), zlib.crc32(data), key

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 import aioloader
-from aioloader import _worker
+from aioloader._worker import tasks
 
 from ._datasets import AugmentedDataset, FailingDataset, HeavyDataset, KillableDataset, RangeDataset
 from .conftest import wait_until
@@ -242,14 +242,14 @@ def test_task_carries_what_makes_it_unique() -> None:
     # dask's pure=True names a task by hashing its function and arguments. Every task
     # aioloader submits differs from every other one: the loader's token (a uuid4), a
     # task id unique in the process, the epoch and the seed are all fields of the task.
-    assert _worker.BatchTask._fields[:3] == ("token", "task_id", "epoch")
-    assert "seed" in _worker.BatchTask._fields
+    assert tasks.BatchTask._fields[:3] == ("token", "task_id", "epoch")
+    assert "seed" in tasks.BatchTask._fields
     tokenize = pytest.importorskip("dask.base").tokenize
     idx = np.arange(4)
-    a = _worker.BatchTask("t", 1, 0, 0, idx, 5)
-    b = _worker.BatchTask("t", 2, 0, 0, idx, 5)  # the same batch, resubmitted
-    c = _worker.BatchTask("t", 1, 1, 0, idx, 5)  # the same batch, next epoch
-    assert len({tokenize(_worker.run_batch, t) for t in (a, b, c)}) == 3
+    a = tasks.BatchTask("t", 1, 0, 0, idx, 5)
+    b = tasks.BatchTask("t", 2, 0, 0, idx, 5)  # the same batch, resubmitted
+    c = tasks.BatchTask("t", 1, 1, 0, idx, 5)  # the same batch, next epoch
+    assert len({tokenize(tasks.run_batch, t) for t in (a, b, c)}) == 3
 
 
 def test_dask_pure_true_executor_still_gives_every_batch(dask_client: Any) -> None:
@@ -415,7 +415,7 @@ class CapturingExecutor(cf.Executor):
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> cf.Future[Any]:
         task = args[0]
         size = len(pickle.dumps((fn, *args), protocol=pickle.HIGHEST_PROTOCOL))
-        self.sizes.append((size, isinstance(task, _worker.BatchTask) and task.payload is not None))
+        self.sizes.append((size, isinstance(task, tasks.BatchTask) and task.payload is not None))
         return self.inner.submit(fn, *args, **kwargs)
 
 

@@ -33,9 +33,12 @@ from ._fetch_helpers import (
     Server,
     add_one,
     batches_key,
+    big_value,
     blob_key,
     decode,
     decode_plain,
+    describe_value,
+    fetch_big,
     fetch_blob,
     make_files,
 )
@@ -292,12 +295,49 @@ def test_a_built_batch_waiting_for_its_consumer_keeps_no_fetched_values(face: st
             async def consume() -> list[list[int]]:
                 ait = dl.__aiter__()
                 first = [(await ait.__anext__()).tolist()]
-                await wait_until_async(_no_blob_alive, 30.0, "the built batches' fetched values to be dropped")
+                await wait_until_async(
+                    _no_blob_alive, 30.0, "the built batches' fetched values to be dropped"
+                )
                 return first + [b.tolist() async for b in ait]
 
             got = asyncio.run(consume())
         assert dl.stats().fetches == len(keys)
     assert got == expected
+
+
+def _described(keys: list[int]) -> list[tuple[str, int, int, int]]:
+    import zlib
+
+    return [("bytes", len(d), zlib.crc32(d), k) for d, k in map(big_value, keys)]
+
+
+@pytest.mark.parametrize("pool", ["processes", "thread", "borrowed"])
+def test_fetched_bytes_reach_the_worker_as_bytes(collect: Callable[..., list[Any]], pool: str) -> None:
+    # A fetched body of 64 KiB or more travels beside the task's pickle on an owned
+    # pool's channel (uncopied in the main process), in the pickle of a borrowed
+    # executor, and as it is to a thread. The worker gets the same bytes every way.
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    keys = list(range(10))
+    ex = cf.ProcessPoolExecutor(2, mp_context=mp.get_context("forkserver")) if pool == "borrowed" else None
+    workers = {"processes": 2, "thread": 0, "borrowed": 0}[pool]
+    try:
+        with aioloader.DataLoader(
+            keys, 4, num_workers=workers, executor=ex, fetch=fetch_big,
+            transform=describe_value, collate_fn=list, prefetch_next_epoch=False,
+        ) as dl:  # fmt: skip
+            got = [s for batch in collect(dl) for s in batch]
+        with aioloader.StreamLoader(
+            iter(keys), fetch=fetch_big, transform=describe_value, batch_size=3, collate_fn=list,
+            num_workers=workers, executor=ex,
+        ) as stream:  # fmt: skip
+            streamed = [s for batch in collect(stream) for s in batch]
+    finally:
+        if ex is not None:
+            ex.shutdown()
+    assert got == _described(keys)
+    assert streamed == _described(keys)
 
 
 def _slow_items(files: Files, n: int) -> list[tuple[str, int]]:

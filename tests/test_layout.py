@@ -15,16 +15,7 @@ PKG = Path(aioloader.__file__).resolve().parent
 # The formats layer (_formats/) is worker-side as a whole, and so are its public faces.
 # So is the shared-memory package (workers import all of it: the encoder names the decoder).
 WORKER_SIDE = [
-    "_worker.py",
-    "_slots.py",
-    "_reply.py",
-    "_channel.py",
-    "_orphan.py",
-    "_byvalue.py",
-    "_stream_worker.py",
-    "_shard_worker.py",
-    "_worker_info.py",
-    "_serve_worker.py",
+    "_worker/*.py",
     "_seeding.py",
     "_validate.py",
     "_collate.py",
@@ -167,7 +158,8 @@ def _module_graph() -> dict[str, set[str]]:
         typing_only = {
             id(n)
             for block in ast.walk(tree)
-            if isinstance(block, ast.If) and ast.unparse(block.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+            if isinstance(block, ast.If)
+            and ast.unparse(block.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
             for n in ast.walk(block)
         }
         for node in ast.walk(tree):
@@ -208,13 +200,26 @@ def test_no_import_circle() -> None:
 def test_imports_flow_down_faces_engine_pool_worker_side() -> None:
     # The pool never reaches up into the engine or a face; the engine never into a face.
     graph = _module_graph()
-    faces = {"aioloader.loader", "aioloader.stream", "aioloader.serving", "aioloader._facade", "aioloader._iterloader"}
+    faces = {
+        "aioloader.loader",
+        "aioloader.stream",
+        "aioloader.serving",
+        "aioloader._facade",
+        "aioloader._iterloader",
+    }
     for name, deps in graph.items():
         if name.startswith("aioloader._pool"):
             bad = {d for d in deps if d.startswith("aioloader._engine") or d in faces}
             assert not bad, f"{name} imports {bad}"
         if name.startswith("aioloader._engine"):
             assert not deps & faces, f"{name} imports {deps & faces}"
-        if name in ("aioloader._worker", "aioloader._channel", "aioloader._reply", "aioloader._slots"):
-            bad = {d for d in deps if d.startswith(("aioloader._pool", "aioloader._engine")) or d in faces}
+        if name.startswith("aioloader._worker"):
+            # The worker side needs only what lies below it: shared memory, seeding,
+            # the errors. Nothing of the consumer's side.
+            bad = {d for d in deps if not d.startswith(WORKER_BELOW)}
             assert not bad, f"{name} imports {bad}"
+    assert any(name.startswith("aioloader._worker.") for name in graph)
+
+
+# What the worker package may import, besides itself.
+WORKER_BELOW = ("aioloader._worker", "aioloader._shm", "aioloader._seeding", "aioloader.errors")

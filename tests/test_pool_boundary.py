@@ -28,9 +28,11 @@ import numpy as np
 import pytest
 
 import aioloader
-from aioloader import _reply, _shm
+from aioloader import _shm
 from aioloader._pool import procs
 from aioloader._validate import default_mp_context
+from aioloader._worker import channel as _channel
+from aioloader._worker import reply as _reply
 
 from . import _pool_helpers as H
 from ._datasets import KillableDataset, RangeDataset, first_to_claim
@@ -91,6 +93,30 @@ def test_large_replies_travel_whole_through_the_channel() -> None:
     with aioloader.WorkerPool(1) as pool:
         got = pool.submit(dict, batch).result(timeout=60)
     assert got["y"] == batch["y"] and np.array_equal(got["x"], batch["x"])
+
+
+def test_fetched_bytes_travel_beside_the_pickle_uncopied() -> None:
+    # The frame's buffers after the pickle are the very bytes objects the task holds:
+    # the main process never copies a batch of fetched bodies into a pickle.
+    big = bytes(range(256)) * 512  # 128 KiB
+    arr = np.arange(1024, dtype=np.int64)  # numpy offers its buffer too: it must stay in
+    values = _channel.Carried([big, (big, 1), {"jpg": big, "n": 2}, b"small", arr, 7])
+    parts = _channel.frame_parts((len, (values,)))
+    assert all(p.obj is big for p in parts[-3:]) and not any(p.obj is big for p in parts[:-3])
+    body = b"".join(bytes(p) for p in parts)
+    size = _channel.HEAD.unpack_from(body)[0]
+    assert size & _channel.BESIDE and size & ~_channel.BESIDE == len(body) - _channel.HEAD.size
+    fn, (got,) = _channel.loads(bytearray(body[_channel.HEAD.size :]), True)
+    assert fn is len and type(got) is _channel.Carried
+    assert type(got[0]) is bytes and type(got[1][0]) is bytes and type(got[2]["jpg"]) is bytes
+    assert got[:4] == values[:4] and np.array_equal(got[4], arr) and got[5] == 7
+    # An array is a snapshot in the pickle (it could change before the write); so is
+    # everything in a frame without large bytes.
+    assert len(_channel.frame_parts((len, (_channel.Carried([arr, b"small"]),)))) == 1
+    # Any other pickler keeps the bytes in its pickle, at protocol 4 or 5.
+    for protocol in (4, 5):
+        again = pickle.loads(pickle.dumps(values, protocol))
+        assert type(again) is _channel.Carried and type(again[1][0]) is bytes and again[:4] == values[:4]
 
 
 # -------------------------------------------------------------------- kill mid-send
@@ -201,8 +227,11 @@ def test_killing_an_idle_worker_charges_nobody(tmp_path: Path, face: str) -> Non
                 lambda: H.syscall_of(idle) in H.WAIT_SYSCALLS, 20.0, "the idle worker to wait for work"
             )
             os.kill(idle, signal.SIGKILL)
-            wait_until(lambda: idle not in loader.worker_pids() and len(loader.worker_pids()) == 2, 30.0,
-                       "the idle worker to be replaced")
+            wait_until(
+                lambda: idle not in loader.worker_pids() and len(loader.worker_pids()) == 2,
+                30.0,
+                "the idle worker to be replaced",
+            )
             assert holder in loader.worker_pids() and consumer.is_alive()  # A still holds its batch
             os.kill(holder, signal.SIGKILL)
         finally:

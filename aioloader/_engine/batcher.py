@@ -13,7 +13,8 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-from .. import _stream_worker
+from .._worker import stream as _stream
+from .._worker.channel import Carried
 from ..errors import LoaderTimeout, WorkerCrashedError
 from ..errors import add_note as _add_note
 from .epochs import WorkerSide
@@ -34,10 +35,10 @@ class StreamUnit:
         "_label", "_side", "first", "group", "items", "key", "names_indices", "positions", "size", "skip",
     )  # fmt: skip
 
-    fn = staticmethod(_stream_worker.run_stream_batch)
+    fn = staticmethod(_stream.run_stream_batch)
 
     def __init__(
-        self, side: WorkerSide, iteration: int, seq: int, first: int, items: list[Any], skip: bool = False
+        self, side: WorkerSide, iteration: int, seq: int, first: int, items: Sequence[Any], skip: bool = False
     ) -> None:
         self._side = side
         self.group = iteration
@@ -64,10 +65,10 @@ class StreamUnit:
             return self.positions
         return range(self.first, self.first + self.size)
 
-    def make_task(self, task_id: int, with_payload: bool) -> _stream_worker.StreamTask:
+    def make_task(self, task_id: int, with_payload: bool) -> _stream.StreamTask:
         side = self._side
         payload = side.inline if side.inline is not None else side.payload() if with_payload else None
-        return _stream_worker.StreamTask(
+        return _stream.StreamTask(
             side.token, task_id, self.key, self.first, self.items, payload, self.positions
         )
 
@@ -75,8 +76,9 @@ class StreamUnit:
         return self.items[k]
 
     def set_fetched(self, kept: list[int], values: list[Any]) -> None:
-        """The items are fetched: ``kept`` source positions (those not skipped), their values."""
-        self.items = values
+        """The items are fetched: ``kept`` source positions (those not skipped), their values
+        (their large ``bytes`` travel beside the task's pickle, uncopied)."""
+        self.items = Carried(values)
         self.positions = kept
 
     def drop_fetched(self) -> None:

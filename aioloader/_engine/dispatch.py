@@ -17,10 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from .. import _worker
 from .._pool import Job, Lost, WorkerPool, describe_exit
-from .._slots import torch_crash_words
 from .._stats import Recorder
+from .._worker import tasks as _tasks
+from .._worker.slots import torch_crash_words
 from ..errors import LoaderClosedError, LoaderTimeout, WorkerCrashedError
 
 __all__ = ["Dispatcher", "Named", "Raised", "Split", "cancelling"]
@@ -169,7 +169,7 @@ class Dispatcher:
             finally:
                 self._running.pop(task_id, None)
                 self._timed_out.pop(task_id, None)
-            if isinstance(res, str) and res == _worker.NEED_PAYLOAD:
+            if isinstance(res, str) and res == _tasks.NEED_PAYLOAD:
                 with_payload = True
                 self.recorder.retries += 1
                 continue

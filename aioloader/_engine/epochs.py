@@ -13,15 +13,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from .. import _worker
 from .._plan.sampler import EpochPlan
 from .._stats import Recorder
+from .._worker import tasks as _tasks
+from .._worker.channel import Carried
 from ..errors import TooManySkippedError, add_note
 from .run import Run
 from .units import Delivery, Failed, add_context
@@ -87,7 +88,7 @@ class EpochUnit:
 
     __slots__ = ("_packed", "group", "indices", "key", "side", "size", "values")
 
-    fn = staticmethod(_worker.run_batch)
+    fn = staticmethod(_tasks.run_batch)
 
     def __init__(self, side: WorkerSide, epoch: int, pos: int, indices: Any) -> None:
         self.side = side
@@ -99,17 +100,24 @@ class EpochUnit:
         # A sampler's own keys (batch_size=None) go as they are, in a list.
         keyed = isinstance(indices, np.ndarray) and indices.dtype == _KEYS
         self._packed: Any = indices.tolist() if keyed else np.asarray(indices, dtype=np.int64).tobytes()
-        self.values: list[Any] | None = None  # fetched samples (fetch=), kept for resubmissions
+        self.values: Sequence[Any] | None = None  # fetched samples (fetch=), kept for resubmissions
 
     @property
     def label(self) -> str:
         return f"batch {self.key} of epoch {self.group}"
 
-    def make_task(self, task_id: int, with_payload: bool) -> _worker.BatchTask:
+    def make_task(self, task_id: int, with_payload: bool) -> _tasks.BatchTask:
         side = self.side
         payload = side.payload() if with_payload else None
-        return _worker.BatchTask(
-            side.token, task_id, self.group, self.key, self._packed, side.seed, payload, self.values
+        return _tasks.BatchTask(
+            side.token,
+            task_id,
+            self.group,
+            self.key,
+            self._packed,
+            side.seed,
+            payload,
+            None if self.values is None else Carried(self.values),
         )
 
     def fetch_input(self, k: int, index: int) -> Any:
@@ -124,7 +132,7 @@ class EpochUnit:
     def set_fetched(self, kept: list[int], values: list[Any]) -> None:
         """The unit's samples are fetched: ``kept`` indices (those not skipped), their values."""
         self._packed = np.asarray(kept, dtype=np.int64).tobytes()
-        self.values = values
+        self.values = Carried(values)  # their large bytes travel beside the task's pickle
 
     def drop_fetched(self) -> None:
         """Called by the fetch stage once the unit's dispatch is over (built, or failed for

@@ -32,8 +32,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from .. import _worker
-from .._reply import Failed
+from .._worker import tasks as _tasks
+from .._worker.reply import Failed
 from .dispatch import Dispatcher, Raised, Split
 
 __all__ = [
@@ -145,11 +145,11 @@ class _Group:
     def indices(self) -> list[int]:
         return [int(i) for m in self.members for i in m.indices]
 
-    def make_task(self, task_id: int, with_payload: bool) -> _worker.GroupTask:
+    def make_task(self, task_id: int, with_payload: bool) -> _tasks.GroupTask:
         members = self.members
         side = members[0].side
         tasks = tuple(m.make_task(task_id, False) for m in members)
-        return _worker.GroupTask(side.token, task_id, tasks, side.payload() if with_payload else None)
+        return _tasks.GroupTask(side.token, task_id, tasks, side.payload() if with_payload else None)
 
 
 class GroupStage:
@@ -206,7 +206,7 @@ class GroupStage:
                 outcomes: Sequence[Any] = (await self.dispatcher.run(u.fn, u.make_task, u),)
             else:
                 group = _Group(units)
-                res = await self.dispatcher.run(_worker.run_group, group.make_task, group, split=True)
+                res = await self.dispatcher.run(_tasks.run_group, group.make_task, group, split=True)
                 outcomes = res.outcomes
         except Split:  # its worker died holding it, or it overran: each batch again, alone
             await asyncio.gather(*(self._run([m]) for m in members))

@@ -339,7 +339,7 @@ class RequestQueue:
 
     # ----------------------------------------------------------------- results
     def resolve(self, unit: ServeUnit, outcomes: list[Any] | None, error: BaseException | None) -> None:
-        from .._serve_worker import Failed
+        from .._worker.serve import Failed
 
         self._wake()  # a worker is free: a micro-batch being filled may go now
         now = _clock()

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from .. import _stream_worker
+from .._worker import stream as _stream
 from .epochs import WorkerSide
 from .isolate import Joined
 
@@ -28,7 +28,7 @@ class ServeUnit:
 
     __slots__ = ("_alone", "_side", "group", "isolated", "key", "requests", "size")
 
-    fn = staticmethod(_stream_worker.run_stream_batch)
+    fn = staticmethod(_stream.run_stream_batch)
     names_indices = True  # its label names its requests: errors need no "sample indices"
 
     def __init__(self, side: WorkerSide, seq: int, requests: list[Request], alone: str | None = None) -> None:
@@ -50,11 +50,11 @@ class ServeUnit:
     def indices(self) -> list[int]:
         return [r.rid for r in self.requests]
 
-    def make_task(self, task_id: int, with_payload: bool) -> _stream_worker.StreamTask:
+    def make_task(self, task_id: int, with_payload: bool) -> _stream.StreamTask:
         side = self._side
         payload = side.inline if side.inline is not None else side.payload() if with_payload else None
         pairs = [(r.rid, r.item) for r in self.requests]
-        return _stream_worker.StreamTask(side.token, task_id, self.key, self.requests[0].rid, pairs, payload)
+        return _stream.StreamTask(side.token, task_id, self.key, self.requests[0].rid, pairs, payload)
 
     # ------------------------------------------------------------- isolation
     @property
@@ -71,8 +71,8 @@ class ServeUnit:
     def rejoin(self, parts: Sequence[ServeUnit], outcomes: Sequence[Any]) -> Joined:
         """Each request's own outcome: its result, or what its task raised (a
         :class:`~aioloader.WorkerCrashedError` or :class:`~aioloader.LoaderTimeout`
-        naming it) as its :class:`~aioloader._serve_worker.Failed`."""
-        from .._serve_worker import Failed
+        naming it) as its :class:`~aioloader._worker.serve.Failed`."""
+        from .._worker.serve import Failed
 
         got: dict[int, Any] = {}
         for part, out in zip(parts, outcomes, strict=True):

@@ -10,7 +10,7 @@ run takes their batches in turn.
 One *shard task* per worker and epoch runs on the pool through a
 :class:`~aioloader._engine.dispatch.Dispatcher` of its own (retries after a crash, the
 payload protocol), for as long as the shard's iteration lasts (see
-:mod:`aioloader._shard_worker` for the worker's half). A unit is batch ``j`` of shard
+:mod:`aioloader._worker.shard` for the worker's half). A unit is batch ``j`` of shard
 ``s``; units come round-robin over the shards, as torch's DataLoader takes them. A unit
 executes by granting its shard the credit for batch ``j`` and waiting for that batch's
 frame: so the run's window (``prefetch``) bounds the batches built and not taken, as
@@ -35,16 +35,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .. import _shard_worker, _worker
 from .._pool import WorkerPool
 from .._seeding import sample_seed, worker_seed
 from .._stats import Recorder
+from .._worker import shard as _shard
+from .._worker import tasks as _tasks
 from ..errors import LoaderClosedError, LoaderTimeout, PoolBrokenError, WorkerCrashedError
 from .dispatch import Dispatcher
 
 __all__ = ["ShardPosition", "ShardSource", "ShardUnit"]
 
-_EMPTY = _worker.BatchResult(None, (), 0, 0, 0)
+_EMPTY = _tasks.BatchResult(None, (), 0, 0, 0)
 _POOL_ERRORS = (LoaderClosedError, LoaderTimeout, PoolBrokenError, WorkerCrashedError)
 
 
@@ -88,7 +89,7 @@ class ShardUnit:
 
     __slots__ = ("group", "key", "shard", "size")
 
-    fn = staticmethod(_shard_worker.run_shard)  # what runs it, though the source submits it
+    fn = staticmethod(_shard.run_shard)  # what runs it, though the source submits it
     indices: tuple[int, ...] = ()
 
     def __init__(self, epoch: int, shard: int, key: int) -> None:
@@ -134,12 +135,12 @@ class _Shard:
 
     indices: tuple[int, ...] = ()
 
-    def make_task(self, task_id: int, with_payload: bool) -> _shard_worker.ShardTask:
+    def make_task(self, task_id: int, with_payload: bool) -> _shard.ShardTask:
         src = self.source
         side = src.side
         self.task_id = task_id
         self.owing_since = None  # timed again once the new attempt connects
-        return _shard_worker.ShardTask(
+        return _shard.ShardTask(
             side.token, task_id, src.epoch, self.index, src.num_shards, src.shard_seed(self.index),
             src.address, self.received, side.payload() if with_payload else None,
         )  # fmt: skip
@@ -266,11 +267,11 @@ class ShardSource:
         if got is None:
             return _EMPTY
         unit.size, data = got
-        return _worker.BatchResult(data, (), sh.pid, 0, 0)
+        return _tasks.BatchResult(data, (), sh.pid, 0, 0)
 
     async def _drive(self, sh: _Shard) -> None:
         try:
-            res = await self.dispatcher.run(_shard_worker.run_shard, sh.make_task, sh)
+            res = await self.dispatcher.run(_shard.run_shard, sh.make_task, sh)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
@@ -352,9 +353,9 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         buf = self.buf
         buf += data
-        head = _shard_worker.FRAME_LENGTH.size
+        head = _shard.FRAME_LENGTH.size
         while len(buf) >= head:
-            end = head + _shard_worker.FRAME_LENGTH.unpack_from(buf)[0]
+            end = head + _shard.FRAME_LENGTH.unpack_from(buf)[0]
             if len(buf) < end:
                 return
             message = pickle.loads(memoryview(buf)[head:end])
@@ -381,7 +382,7 @@ class _Connection(asyncio.Protocol):
 
     def send_credit(self, limit: int) -> None:
         if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(_shard_worker.CREDIT.pack(limit))
+            self.transport.write(_shard.CREDIT.pack(limit))
 
     def close(self) -> None:
         if self.transport is not None:

@@ -6,7 +6,7 @@ the fork server they come from; :mod:`.local` the loader's own thread and the ad
 to a borrowed executor; :mod:`.jobs` what every backend settles.
 """
 
-from .._slots import describe_exit
+from .._worker.slots import describe_exit
 from .jobs import Job, Lost
 from .pool import WorkerPool, concurrency_of
 

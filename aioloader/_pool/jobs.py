@@ -12,8 +12,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .._reply import Outcome
 from .._wake import Waker
+from .._worker.reply import Outcome
 
 __all__ = ["Job", "Lost"]
 
@@ -50,9 +50,7 @@ class Job:
         "seq", "stopped", "submit_ns", "task_id", "waiter", "waker", "worker",
     )  # fmt: skip
 
-    def __init__(
-        self, fn: Callable[..., Any], args: tuple[Any, ...], task_id: int | None = None
-    ) -> None:
+    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], task_id: int | None = None) -> None:
         self.fn = fn
         self.args = args
         self.task_id = task_id

@@ -21,7 +21,8 @@ import queue
 import threading
 from typing import Any
 
-from .. import _reply, _slots
+from .._worker import reply as _reply
+from .._worker import slots as _slots
 from ..errors import PoolBrokenError
 from .jobs import Job, Lost
 
@@ -193,4 +194,3 @@ def _refused(exc: BaseException) -> PoolBrokenError:
     err = PoolBrokenError(f"the user-supplied executor refused new work: {exc}")
     err.__cause__ = exc
     return err
-

@@ -28,11 +28,14 @@ from collections.abc import Callable
 from multiprocessing.context import BaseContext
 from typing import Any, Literal
 
-from .. import _byvalue, _mainguard, _reply, _worker
+from .. import _mainguard
 from .._cpus import available_cpus
-from .._slots import describe_exit
 from .._validate import resolve_context
 from .._wake import waker_for
+from .._worker import byvalue as _byvalue
+from .._worker import reply as _reply
+from .._worker import tasks as _tasks
+from .._worker.slots import describe_exit
 from ..errors import LoaderClosedError, WorkerCrashedError
 from . import procs as _procs
 from . import zygote as _zygote
@@ -137,7 +140,7 @@ class WorkerPool(cf.Executor):
     def register(self, token: str, payload: bytes | _byvalue.Inherited) -> None:
         """Make a loader's payload known to every worker this pool starts from now on.
 
-        An :class:`~aioloader._byvalue.Inherited` payload can reach a worker only as it
+        An :class:`~aioloader._worker.byvalue.Inherited` payload can reach a worker only as it
         starts: workers that started without it are stopped, and their jobs run again on
         the workers that replace them (no job counts this as a crash)."""
         with self._lock:
@@ -152,7 +155,7 @@ class WorkerPool(cf.Executor):
     def unregister(self, token: str) -> None:
         with self._lock:
             self._payloads.pop(token, None)
-        _worker.forget_context(token)
+        _tasks.forget_context(token)
 
     def _payloads_now(self) -> dict[str, bytes | _byvalue.Inherited]:
         with self._lock:

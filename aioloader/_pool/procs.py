@@ -1,7 +1,7 @@
 """An owned pool's worker processes: one channel each, one I/O thread for all.
 
-Each worker has one duplex channel (a Unix socket pair, :mod:`aioloader._channel`) and
-a row of the pool's slot table (:mod:`aioloader._slots`). One thread of the consumer
+Each worker has one duplex channel (a Unix socket pair, :mod:`aioloader._worker.channel`) and
+a row of the pool's slot table (:mod:`aioloader._worker.slots`). One thread of the consumer
 (``aioloader-pool``) reads every channel, settles the jobs, writes what a socket could
 not take at once, and watches every worker for its death.
 
@@ -45,9 +45,13 @@ from collections.abc import Callable
 from multiprocessing.context import BaseContext
 from typing import Any
 
-from .. import _byvalue, _channel, _mainguard, _reply, _worker
-from .._channel import HEAD, READ
-from .._slots import SharedTable, Slots, describe_exit
+from .. import _mainguard
+from .._worker import byvalue as _byvalue
+from .._worker import channel as _channel
+from .._worker import reply as _reply
+from .._worker import tasks as _tasks
+from .._worker.channel import HEAD, READ
+from .._worker.slots import SharedTable, Slots, describe_exit
 from ..errors import PoolBrokenError
 from . import zygote as _zygote
 from .jobs import Job, Lost
@@ -186,12 +190,14 @@ class Procs:
         try:
             if zygote is not None and not inherited:
                 w.out.append(_channel.frame(payloads))  # the worker's first frame
-                self._requests[zygote.request(slot, theirs.fileno(), self._table_fd, self._table_size, self.n)] = slot
+                self._requests[
+                    zygote.request(slot, theirs.fileno(), self._table_fd, self._table_size, self.n)
+                ] = slot
             else:
                 if self._ctx.get_start_method() != "fork":
                     _byvalue.drop_fake_main_file()
                 process = self._ctx.Process(
-                    target=_worker.worker_main,
+                    target=_tasks.worker_main,
                     args=(theirs, slot, self._shared, self.n, os.getpid(), payloads),
                     name=f"aioloader-worker-{slot}",
                     daemon=True,
@@ -252,7 +258,12 @@ class Procs:
         best = None
         for k in range(n):
             w = workers[(self._turn + k) % n]
-            if w is not None and w.code is None and not w.why_killed and (best is None or len(w.sent) < len(best.sent)):
+            if (
+                w is not None
+                and w.code is None
+                and not w.why_killed
+                and (best is None or len(w.sent) < len(best.sent))
+            ):
                 best = w
         self._turn += 1
         return best

@@ -10,7 +10,7 @@ So the first owned pool of a process forks a *zygote*, while the process has one
 thread. The zygote is single-threaded for ever. It waits on a socket pair
 (``SOCK_SEQPACKET``: one message per request, descriptors passed with it). A request
 carries a worker's slot, its channel and its pool's slot table; the zygote forks, and
-the child runs :func:`aioloader._worker.worker_main`. The zygote answers with the pid,
+the child runs :func:`aioloader._worker.tasks.worker_main`. The zygote answers with the pid,
 reaps its children, and reports each exit code. It ends when the consumer's end of
 the socket closes (the consumer exited, or was killed).
 
@@ -158,7 +158,9 @@ class Zygote:
         passed); the answer comes as a report. Raises ``OSError`` if the zygote is gone."""
         with self.send_lock:
             req = next(self._requests)
-            socket.send_fds(self.sock, [REQUEST.pack(req, slot, table_size, workers, os.getpid())], [channel, table])
+            socket.send_fds(
+                self.sock, [REQUEST.pack(req, slot, table_size, workers, os.getpid())], [channel, table]
+            )
         return req
 
     def reports(self) -> list[tuple[bytes, int, int]]:
@@ -194,7 +196,8 @@ def _serve(sock: socket.socket) -> None:  # pragma: no cover - in the zygote
     wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, _ignore)
-    from .. import _byvalue, _worker  # noqa: F401  (imported once here, not in every worker)
+    from .._worker import byvalue as _byvalue
+    from .._worker import tasks as _tasks  # noqa: F401  (imported once here, not in every worker)
 
     if _byvalue.main_is_interactive():
         # Workers of an interactive consumer get what was defined in __main__ by value;
@@ -222,7 +225,9 @@ def _serve(sock: socket.socket) -> None:  # pragma: no cover - in the zygote
             _fork_worker(sock, msg, fds, (wake_r, wake_w))
 
 
-def _fork_worker(sock: socket.socket, msg: bytes, fds: list[int], wake: tuple[int, int]) -> None:  # pragma: no cover
+def _fork_worker(
+    sock: socket.socket, msg: bytes, fds: list[int], wake: tuple[int, int]
+) -> None:  # pragma: no cover
     req, slot, table_size, workers, consumer = REQUEST.unpack(msg)
     try:
         pid = os.fork()
@@ -243,7 +248,7 @@ def _fork_worker(sock: socket.socket, msg: bytes, fds: list[int], wake: tuple[in
             channel, table_fd = fds
             table = mmap.mmap(table_fd, table_size)
             os.close(table_fd)
-            from .._worker import worker_main
+            from .._worker.tasks import worker_main
 
             worker_main(channel, slot, table, workers, consumer, None)
             code = 0

@@ -78,12 +78,12 @@ class _Arena:
 
             util.Finalize(None, self._at_exit, exitpriority=10)
             # An owned worker exits when its consumer dies: clean up before that.
-            from .. import _orphan
+            from .._worker import orphan as _orphan
 
             _orphan.on_orphaned(self.consumer_died)
 
     def _watch(self) -> None:
-        from .._orphan import wait_for_exit
+        from .._worker.orphan import wait_for_exit
 
         wait_for_exit(self.consumer_pid)
         self.consumer_died()

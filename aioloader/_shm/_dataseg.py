@@ -114,7 +114,7 @@ class SharedPayload(NamedTuple):
 def _unlink_if_orphaned(name: str) -> None:
     # An owned worker runs its hooks when the consumer dies; a worker without an orphan
     # watch (a borrowed executor never gets a segment) never registers one that fires.
-    from .. import _orphan
+    from .._worker import orphan as _orphan
 
     _orphan.on_orphaned(lambda: _unlink(name))
 

@@ -14,8 +14,8 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._reply import travelling
-from .errors import add_note as _add_note
+from ..errors import add_note as _add_note
+from .reply import travelling
 
 __all__ = ["Failed", "PerBatch", "PerItem"]
 

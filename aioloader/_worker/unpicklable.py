@@ -1,7 +1,7 @@
-"""What a worker says when a batch it built will not pickle (see :mod:`aioloader._culprit`).
+"""What a worker says when a batch it built will not pickle (see :mod:`aioloader._worker.culprit`).
 
 Each result type's ``unpicklable`` method calls one of these from
-:class:`aioloader._reply.Entry`, on that failure path only. They name the batch, the
+:class:`aioloader._worker.reply.Entry`, on that failure path only. They name the batch, the
 sample and the field; a group of batches sends back its other batches, with only the
 one that failed as an error. This module never imports asyncio.
 """
@@ -13,9 +13,10 @@ from typing import Any
 
 import numpy as np
 
-from . import _culprit, _reply
-from ._shm._encode import ShmBatch
-from .errors import add_note
+from .._shm._encode import ShmBatch
+from ..errors import add_note
+from . import culprit as _culprit
+from . import reply as _reply
 
 __all__ = ["batch", "group", "shard", "stream"]
 

@@ -31,8 +31,8 @@ import types
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from ._shm._dataseg import SharedPayload
-from .errors import DatasetPickleError
+from .._shm._dataseg import SharedPayload
+from ..errors import DatasetPickleError
 
 __all__ = [
     "ByValue",

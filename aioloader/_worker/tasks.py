@@ -8,14 +8,14 @@ executor learns them lazily: a task whose token the worker has not seen comes ba
 Either way a task carries only its indices (or items) and a little metadata.
 
 Every kind of task runs through :func:`run_task`: context lookup, ``worker_init_fn``,
-the slot-table marks (:mod:`aioloader._slots`), the caller's global random state
+the slot-table marks (:mod:`aioloader._worker.slots`), the caller's global random state
 (threads), and one *build* step, all that differs between a DataLoader batch
-(:func:`run_batch`) and a stream micro-batch (:mod:`aioloader._stream_worker`). How the
-outcome travels back, exceptions included, is :mod:`aioloader._reply`'s business.
+(:func:`run_batch`) and a stream micro-batch (:mod:`aioloader._worker.stream`). How the
+outcome travels back, exceptions included, is :mod:`aioloader._worker.reply`'s business.
 
 In an owned process pool, ``torch.utils.data.get_worker_info()`` answers as in a torch
 worker (id, num_workers, seed, dataset) wherever torch is imported in the worker; this
-module never imports torch itself (see :mod:`aioloader._worker_info`).
+module never imports torch itself (see :mod:`aioloader._worker.info`).
 
 This module never imports asyncio.
 """
@@ -37,9 +37,16 @@ from typing import Any, Literal, NamedTuple, TypeVar
 
 import numpy as np
 
-from . import _byvalue, _channel, _orphan, _reply, _seeding, _slots, _unpicklable, _worker_info
-from ._slots import Slots
-from .errors import CollateError, DatasetPickleError, add_note
+from .. import _seeding
+from ..errors import CollateError, DatasetPickleError, add_note
+from . import byvalue as _byvalue
+from . import channel as _channel
+from . import info as _info
+from . import orphan as _orphan
+from . import reply as _reply
+from . import slots as _slots
+from . import unpicklable as _unpicklable
+from .slots import Slots
 
 __all__ = [
     "NEED_PAYLOAD",
@@ -83,7 +90,7 @@ class BatchResult(NamedTuple):
     end_ns: int
 
     def unpicklable(self, task: BatchTask, exc: BaseException, where: str) -> None:
-        _unpicklable.batch(self, task, exc, where)  # see aioloader._culprit.salvage
+        _unpicklable.batch(self, task, exc, where)  # see aioloader._worker.culprit.salvage
 
 
 class GroupTask(NamedTuple):
@@ -121,7 +128,7 @@ class WorkerContext:
     seed: int = 0  # the loader's seed when the payload was made (worker info in worker_init_fn)
     transform: Callable[[Any], Any] | None = None  # applied to each sample before collate_fn
     # An iterable dataset's: worker_init_fn runs as each shard task begins, with the
-    # shard's id (see aioloader._shard_worker), not once per process with its slot.
+    # shard's id (see aioloader._worker.shard), not once per process with its slot.
     iterable: bool = False
     batch_size: int = 1  # an iterable dataset's (its worker cuts the batches)
     drop_last: bool = False
@@ -183,10 +190,10 @@ def check_loaded(token: str) -> None:
 
 def _run_init(ctx: WorkerContext) -> None:
     ctx.init_done = True
-    _worker_info.publish(ctx, ctx.seed)
+    _info.publish(ctx, ctx.seed)
     if ctx.worker_init_fn is None or ctx.iterable:
         return
-    wid = _worker_info.worker_id
+    wid = _info.worker_id
     try:
         ctx.worker_init_fn(wid)
     except Exception as exc:  # surfaced with the first batch this worker builds
@@ -218,11 +225,14 @@ def worker_main(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _reply.framed = True
     _slots.claim(table, slot, os.getpid())
-    _worker_info.worker_id, _worker_info.num_workers = slot, num_workers
+    _info.worker_id, _info.num_workers = slot, num_workers
     watch = None
     try:
         watch = threading.Thread(
-            target=_orphan.exit_when_orphaned, args=(consumer_pid,), name="aioloader-orphan-watch", daemon=True
+            target=_orphan.exit_when_orphaned,
+            args=(consumer_pid,),
+            name="aioloader-orphan-watch",
+            daemon=True,
         )
         watch.start()
         if payloads is None:
@@ -310,7 +320,7 @@ def run_task(
     ``task`` has ``token``, ``task_id`` and ``payload``. Returns :data:`NEED_PAYLOAD`
     when this worker has not seen the loader and the task came without its payload.
     Exceptions from user code propagate with their own type and the notes ``build``
-    added (BaseExceptions too: :class:`aioloader._reply.Entry` carries them home)."""
+    added (BaseExceptions too: :class:`aioloader._worker.reply.Entry` carries them home)."""
     _slots.mark(Slots.ACCEPTED, task.task_id)
     try:
         ctx = context_of(task, kind)
@@ -329,7 +339,7 @@ def _run_in(
         _run_init(ctx)
     if ctx.init_error is not None:
         raise ctx.init_error
-    _worker_info.publish(ctx, getattr(task, "seed", ctx.seed))
+    _info.publish(ctx, getattr(task, "seed", ctx.seed))
     start = time.monotonic_ns()
     _slots.mark(Slots.RUNNING, task.task_id, start)
     if not ctx.seed_samples:

@@ -10,7 +10,7 @@ consumer's process.
 The stream's ``fn``, ``collate_fn`` and options reach a worker once, as the pickled
 payload of a :class:`StreamContext` (the same protocol as a DataLoader's dataset:
 installed as an owned worker starts, or sent on demand after
-:data:`~aioloader._worker.NEED_PAYLOAD`). In thread mode the context object itself
+:data:`~aioloader._worker.tasks.NEED_PAYLOAD`). In thread mode the context object itself
 rides along with every task, so nothing is pickled.
 
 This module never imports asyncio.
@@ -22,14 +22,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from . import _reply, _unpicklable, _worker
-from .errors import CollateError, add_note
+from ..errors import CollateError, add_note
+from . import reply as _reply
+from . import tasks as _tasks
+from . import unpicklable as _unpicklable
 
 __all__ = ["Chain", "StreamContext", "StreamResult", "StreamTask", "run_stream_batch"]
 
 
 @dataclass
-class StreamContext(_worker.WorkerContext):
+class StreamContext(_tasks.WorkerContext):
     """A stream's worker-side configuration. ``dataset`` is unused (``None``)."""
 
     fn: Callable[[Any], Any] | None = None
@@ -57,17 +59,17 @@ class StreamResult(NamedTuple):
     end_ns: int
 
     def unpicklable(self, task: StreamTask, exc: BaseException, where: str) -> None:
-        _unpicklable.stream(self, task, exc, where)  # see aioloader._culprit.salvage
+        _unpicklable.stream(self, task, exc, where)  # see aioloader._worker.culprit.salvage
 
 
 def run_stream_batch(task: StreamTask) -> StreamResult | str:
     """Apply ``fn`` and ``collate_fn`` to one micro-batch. Runs on any executor.
 
-    Returns :data:`~aioloader._worker.NEED_PAYLOAD` when this worker has not seen the
+    Returns :data:`~aioloader._worker.tasks.NEED_PAYLOAD` when this worker has not seen the
     stream yet and the task came without its payload. Exceptions from user code are
     raised with their own type and a note naming the source position of the item.
     """
-    return _worker.run_task(task, _build, StreamResult, StreamContext)
+    return _tasks.run_task(task, _build, StreamResult, StreamContext)
 
 
 def _where(task: StreamTask) -> str:

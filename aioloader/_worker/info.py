@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from . import _seeding
+from .. import _seeding
 
 __all__ = ["num_workers", "publish", "publish_shard", "worker_id"]
 

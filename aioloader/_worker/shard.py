@@ -17,7 +17,7 @@ iterates from the start and skips the batches the consumer already has (``skip``
 iterable dataset has no random access, and replaying is the only position it has. The
 consumer closing the connection ends the task at its next credit wait or send.
 
-The task's own result (via :func:`aioloader._worker.run_task`) is only how many batches
+The task's own result (via :func:`aioloader._worker.tasks.run_task`) is only how many batches
 the shard had, or the exception that ended its iteration, with a note naming the worker,
 the batch and the epoch. The connection is closed before the task returns, so the
 consumer settles a shard once it has read the connection to its end.
@@ -36,8 +36,12 @@ import struct
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
-from . import _reply, _seeding, _unpicklable, _worker, _worker_info
-from .errors import CollateError, add_note
+from .. import _seeding
+from ..errors import CollateError, add_note
+from . import info as _info
+from . import reply as _reply
+from . import tasks as _tasks
+from . import unpicklable as _unpicklable
 
 __all__ = ["CREDIT", "FRAME_LENGTH", "ShardResult", "ShardTask", "run_shard"]
 
@@ -56,7 +60,7 @@ class ShardTask(NamedTuple):
     seed: int  # get_worker_info().seed, and the global generators' seed
     address: str  # the consumer's Unix socket
     skip: int  # batches the consumer already has (a restarted task replays past them)
-    payload: bytes | _worker.WorkerContext | None = None
+    payload: bytes | _tasks.WorkerContext | None = None
 
 
 class ShardResult(NamedTuple):
@@ -70,7 +74,7 @@ def run_shard(task: ShardTask) -> ShardResult | str:
     """Iterate one shard of an iterable dataset for one epoch (see the module docstring).
 
     The connection is made first, so every task that returns (a result, an exception, or
-    :data:`~aioloader._worker.NEED_PAYLOAD`) closed it before: once the consumer has read
+    :data:`~aioloader._worker.tasks.NEED_PAYLOAD`) closed it before: once the consumer has read
     it to its end, it holds every batch the task sent."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -80,7 +84,7 @@ def run_shard(task: ShardTask) -> ShardResult | str:
         except OSError:  # the consumer's run is over (or its socket cannot be reached)
             return ShardResult(-1, os.getpid(), 0, 0)
         try:
-            return _worker.run_task(task, functools.partial(_build, sock), ShardResult)
+            return _tasks.run_task(task, functools.partial(_build, sock), ShardResult)
         finally:
             _hang_up(sock)
     finally:
@@ -104,7 +108,7 @@ def _where(task: ShardTask, j: int) -> str:
     return f"batch {j} of worker {task.shard} in epoch {task.epoch}, {_reply.process_label()}"
 
 
-def _batches(ctx: _worker.WorkerContext, task: ShardTask) -> Iterator[list[Any]]:
+def _batches(ctx: _tasks.WorkerContext, task: ShardTask) -> Iterator[list[Any]]:
     """The shard's samples, ``batch_size`` at a time (the last one short unless
     ``drop_last``); one at a time for ``batch_size=None``. Errors name the batch."""
     it = iter(ctx.dataset)
@@ -126,9 +130,9 @@ def _batches(ctx: _worker.WorkerContext, task: ShardTask) -> Iterator[list[Any]]
             return
 
 
-def _build(sock: socket.socket, ctx: _worker.WorkerContext, task: ShardTask) -> tuple[int]:
+def _build(sock: socket.socket, ctx: _tasks.WorkerContext, task: ShardTask) -> tuple[int]:
     if ctx.remote:  # a process of the pool: torch's worker info and seeding, per shard
-        _worker_info.publish_shard(ctx, task.shard, task.num_shards, task.seed)
+        _info.publish_shard(ctx, task.shard, task.num_shards, task.seed)
         _seeding.seed_worker(task.seed)
         if ctx.worker_init_fn is not None:
             try:

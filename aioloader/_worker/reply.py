@@ -4,7 +4,7 @@ The pool runs every task through :class:`Entry`, which never raises:
 
 * **in the consumer's own process** (threads): the :class:`Outcome` itself, nothing
   pickled;
-* **in an owned worker**: one frame of its channel (:mod:`aioloader._channel`), the
+* **in an owned worker**: one frame of its channel (:mod:`aioloader._worker.channel`), the
   outcome pickled once, whatever its size (:func:`run_framed`);
 * **in a borrowed executor's process**: the pickle, inline (:class:`_Inline`), which
   that executor carries home and which unpickles there as the :class:`Outcome`.
@@ -13,7 +13,7 @@ Exceptions travel the same way, ``BaseException`` included: the reply carries th
 exception and its formatted traceback, rebuilt in the consumer as the exception with a
 :class:`RemoteTraceback` as ``__cause__``. An exception that does not survive pickling
 arrives as :class:`~aioloader.RemoteError`. A value that does not pickle is named
-(the batch, the sample, the field) by :mod:`aioloader._culprit`.
+(the batch, the sample, the field) by :mod:`aioloader._worker.culprit`.
 
 This module never imports asyncio.
 """
@@ -28,10 +28,10 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from . import _culprit
-from ._channel import frame
-from ._shm import host_key
-from .errors import RemoteError, add_note
+from .._shm import host_key
+from ..errors import RemoteError, add_note
+from . import culprit as _culprit
+from .channel import frame
 
 __all__ = [
     "Entry",
@@ -48,7 +48,7 @@ __all__ = [
 
 # (consumer pid, consumer host key).
 Origin = tuple[int, tuple[str, int, int, int]]
-# Set in an owned worker by aioloader._worker.worker_main: replies are channel frames.
+# Set in an owned worker by aioloader._worker.tasks.worker_main: replies are channel frames.
 framed = False
 
 
