@@ -317,3 +317,20 @@ def test_bad_arguments_still_name_themselves() -> None:
         aioloader.DataLoader(ShardedRange(4), batch_size=0)
     with pytest.raises(ValueError, match="num_workers"):
         aioloader.DataLoader(ShardedRange(4), num_workers=-1)
+
+
+@pytest.mark.parametrize("workers", [2, 0])
+def test_shards_talk_over_their_jobs_and_the_run_makes_no_socket(collect: Any, workers: int) -> None:
+    """A shard's batches and credits travel with its job, over the worker's channel (or
+    the loader's thread): no socket, no directory for one, even while the run is on."""
+    ds = ShardedRange(23)
+    expected = round_robin(23, 4, max(workers, 1))
+    dirs = shard_dirs()
+    with aioloader.DataLoader(ds, batch_size=4, num_workers=workers) as loader:
+        it = iter(loader)
+        first = [next(it)]
+        during = shard_dirs() - dirs
+        it.close()
+        got = collect(loader)
+    assert labels(first) == expected[:1] and labels(got) == expected
+    assert not during

@@ -2,7 +2,8 @@
 code, or exhausts its retries; owns the timeout watchdog of the work it runs.
 
 It knows nothing of pool kinds: the pool says when a task started, stops one that
-overran, and, after a lost task, which tasks the dead workers held. A lost task is
+overran, and, after a lost task, which tasks the dead workers held. A task that lasts
+(a shard) brings its own clock: since when it owes the consumer something. A lost task is
 resubmitted, and charged against ``max_retries`` only when its own worker died holding
 it; a task that reaches a borrowed executor's worker before the loader's payload does
 is resubmitted once with the payload attached.
@@ -73,10 +74,11 @@ class Dispatcher:
     timeout: float | None
     max_retries: int
     is_closed: Callable[[], bool]
-    watch: bool = True  # False: the caller times its tasks itself (see expire)
     alone: bool = False  # each task holds its worker for long (shards): one a worker, nothing behind it
     stopping: bool = False
     _running: dict[int, Job] = field(default_factory=dict)
+    # task id -> its own clock (see run's ``owing``), for the tasks that bring one
+    _clocks: dict[int, Callable[[], int | None]] = field(default_factory=dict)
     # task id -> why it was not delivered (the end of its LoaderTimeout's message)
     _timed_out: dict[int, str] = field(default_factory=dict)
     _watchdog: asyncio.Task[None] | None = None
@@ -88,6 +90,10 @@ class Dispatcher:
         w = self._watchdog
         self._watchdog = None
         return [w] if w is not None and not w.done() else []
+
+    def jobs(self) -> list[Job]:
+        """The jobs of the tasks running now."""
+        return list(self._running.values())
 
     async def _start(self, loop: asyncio.AbstractEventLoop) -> Any:
         """``pool.start()`` in a thread, once for all the tasks that find the pool not
@@ -106,6 +112,8 @@ class Dispatcher:
         named: Named,
         *,
         split: bool = False,
+        on_part: Callable[[Job, Any], None] | None = None,
+        owing: Callable[[], int | None] | None = None,
     ) -> Any:
         """Submit ``fn(make_task(task_id, with_payload))`` and return its result.
 
@@ -115,10 +123,15 @@ class Dispatcher:
         micro-batch); its worker dying while it held the task, or the task overrunning
         its timeout, raises :class:`Split` instead, so that they run again one per task
         and only the culprit is charged or named.
+
+        A task that lasts talks with its consumer: ``on_part`` takes its messages (see
+        :meth:`~aioloader.WorkerPool.send`), and ``owing()`` says since when
+        (``time.monotonic_ns()``) it owes the consumer something, or ``None``: the
+        timeout counts from there rather than from the task's start.
         """
         loop = asyncio.get_running_loop()
         pool = self.pool
-        if self.timeout is not None and self.watch and self._watchdog is None and not self.stopping:
+        if self.timeout is not None and self._watchdog is None and not self.stopping:
             self._watchdog = loop.create_task(self._watch(self.timeout))
         attempts = 0
         with_payload = False
@@ -135,8 +148,10 @@ class Dispatcher:
             task = make_task(next(_task_ids), with_payload)
             task_id = task.task_id
             submit_ns = time.monotonic_ns()
-            job = pool.send(fn, task, alone=self.alone)
+            job = pool.send(fn, task, alone=self.alone, on_part=on_part)
             self._running[task_id] = job
+            if owing is not None:
+                self._clocks[task_id] = owing
             try:
                 res = await pool.result(job)
             except Lost as lost:
@@ -168,6 +183,7 @@ class Dispatcher:
                 raise
             finally:
                 self._running.pop(task_id, None)
+                self._clocks.pop(task_id, None)
                 self._timed_out.pop(task_id, None)
             if isinstance(res, str) and res == _tasks.NEED_PAYLOAD:
                 with_payload = True
@@ -181,8 +197,8 @@ class Dispatcher:
             f"{_name(named)} was not delivered {why}", indices=_as_list(named.indices), timeout=self.timeout
         )
 
-    def _overran(self, how: str) -> str:
-        since = "of a worker starting it" if self.watch else "of being due"
+    def _overran(self, due: bool, how: str) -> str:
+        since = "of being due" if due else "of a worker starting it"
         return f"within timeout={self.timeout} s {since}; {how}"
 
     async def _watch(self, timeout: float) -> None:
@@ -196,7 +212,8 @@ class Dispatcher:
             for task_id, job in list(self._running.items()):
                 if task_id in self._timed_out:
                     continue
-                started = pool.started_at(job)
+                clock = self._clocks.get(task_id)
+                started = pool.started_at(job) if clock is None else clock()
                 if started is None or now - started <= limit:
                     continue
                 await self.expire(task_id)
@@ -204,7 +221,7 @@ class Dispatcher:
     def expire_stuck_start(self) -> None:
         """A worker still starting max(timeout, START_FLOOR_S) seconds after it was
         started is killed and replaced; the tasks sent to it then raise
-        :class:`~aioloader.LoaderTimeout`. Also for callers that time their tasks themselves."""
+        :class:`~aioloader.LoaderTimeout`."""
         if self.timeout is None:
             return
         limit = max(self.timeout, START_FLOOR_S)
@@ -228,16 +245,17 @@ class Dispatcher:
     async def expire(self, task_id: int) -> bool:
         """Stop running task ``task_id`` for overrunning the timeout: its :meth:`run`
         raises :class:`~aioloader.LoaderTimeout`. Returns whether it was stopped (not
-        if it finished first). Also for callers that time their tasks themselves."""
+        if it finished first)."""
         job = self._running.get(task_id)
         if job is None or task_id in self._timed_out:
             return False
-        self._timed_out[task_id] = self._overran("the pool stopped it")
+        due = task_id in self._clocks
+        self._timed_out[task_id] = self._overran(due, "the pool stopped it")
         how = await asyncio.get_running_loop().run_in_executor(None, self.pool.stop, job)
         if how is None:  # it finished between our look and the stop: no timeout
             self._timed_out.pop(task_id, None)
             return False
-        self._timed_out[task_id] = self._overran(how)
+        self._timed_out[task_id] = self._overran(due, how)
         return True
 
 

@@ -3,50 +3,52 @@ run takes their batches in turn.
 
 ::
 
-    shard task 0 (worker) ──frames──▶ ┐
-    shard task 1 (worker) ──frames──▶ ├─ Unix socket ─▶ ShardSource ─▶ units (0,0) (1,0) (0,1) ...
-    ...                    ◀─credits─ ┘                                 one window slot each
+    shard task 0 (worker) ──batches──▶ ┐
+    shard task 1 (worker) ──batches──▶ ├─ links ─▶ ShardSource ─▶ units (0,0) (1,0) (0,1) ...
+    ...                    ◀─credits── ┘                            one window slot each
 
 One *shard task* per worker and epoch runs on the pool through a
 :class:`~aioloader._engine.dispatch.Dispatcher` of its own (retries after a crash, the
-payload protocol), for as long as the shard's iteration lasts (see
+payload protocol, the timeout), for as long as the shard's iteration lasts (see
 :mod:`aioloader._worker.shard` for the worker's half). A unit is batch ``j`` of shard
 ``s``; units come round-robin over the shards, as torch's DataLoader takes them. A unit
-executes by granting its shard the credit for batch ``j`` and waiting for that batch's
-frame: so the run's window (``prefetch``) bounds the batches built and not taken, as
-for any other unit source. A shard whose iteration ended answers its later units with
-nothing (the run skips them), and the source ends once every shard has.
+executes by granting its shard the credit for batch ``j`` and waiting for that batch:
+so the run's window (``prefetch``) bounds the batches built and not taken, as for any
+other unit source. A shard whose iteration ended answers its later units with nothing
+(the run skips them), and the source ends once every shard has.
 
-A worker that dies is replaced by the dispatcher as for any task; the new shard task
-replays the iteration up to the first batch not received yet. ``timeout`` bounds how long
-a shard may owe a batch it has credit for; on expiry its worker is stopped and the batch
-raises :class:`~aioloader.LoaderTimeout`.
+A shard task talks with the source through its own job: its messages (a hello, then
+its batches) come over the worker's channel (``on_part``), and its credits go back
+with :meth:`~aioloader.WorkerPool.tell`. An iterable dataset always has a pool of its
+own (processes, or the loader's thread), never a borrowed executor, so that is the
+only way.
+
+A worker that dies is replaced as for any task; the new shard task replays the
+iteration up to the first batch not received yet. ``timeout`` bounds how long a shard
+may owe a batch it has credit for (the dispatcher's watchdog, on the shard's clock); on
+expiry its worker is stopped and the batch raises :class:`~aioloader.LoaderTimeout`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
-import pickle
-import shutil
-import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .._pool import WorkerPool
+from .._pool import Job, WorkerPool
 from .._seeding import sample_seed, worker_seed
 from .._stats import Recorder
+from .._wake import waker_for
 from .._worker import shard as _shard
 from .._worker import tasks as _tasks
-from ..errors import LoaderClosedError, LoaderTimeout, PoolBrokenError, WorkerCrashedError
 from .dispatch import Dispatcher
 
 __all__ = ["ShardPosition", "ShardSource", "ShardUnit"]
 
 _EMPTY = _tasks.BatchResult(None, (), 0, 0, 0)
-_POOL_ERRORS = (LoaderClosedError, LoaderTimeout, PoolBrokenError, WorkerCrashedError)
 
 
 @dataclass(frozen=True)
@@ -119,12 +121,10 @@ class _Shard:
         self.ended: int | None = None  # how many batches the shard had, once known
         self.failure: BaseException | None = None
         self.task_id = 0  # the current attempt's
-        self.connection: _Connection | None = None  # the current attempt's, once it said hello
+        self.job: Job | None = None  # the current attempt's, once it said hello
         self.pid = 0
         self.owing_since: int | None = None  # monotonic ns since it owes a batch it has credit for
         self.driver: asyncio.Task[None] | None = None
-        self.read_out: set[int] = set()  # attempts whose connection was read to its end
-        self.changed = asyncio.Event()
 
     # Named, for the dispatcher's errors.
     @property
@@ -139,20 +139,28 @@ class _Shard:
         src = self.source
         side = src.side
         self.task_id = task_id
-        self.owing_since = None  # timed again once the new attempt connects
+        self.job = None
+        self.owing_since = None  # timed again once the new attempt says hello
         return _shard.ShardTask(
             side.token, task_id, src.epoch, self.index, src.num_shards, src.shard_seed(self.index),
-            src.address, self.received, side.payload() if with_payload else None,
+            self.received, side.payload() if with_payload else None,
         )  # fmt: skip
+
+    def hello(self, job: Job, pid: int) -> None:
+        """The attempt runs: it gets its credit, and owes what that credit allows."""
+        self.job, self.pid = job, pid
+        if self.granted > self.received:
+            self.owing_since = time.monotonic_ns()
+        self.source.pool.tell(job, self.granted)
 
     def grant(self, limit: int) -> None:
         if limit <= self.granted:
             return
-        if self.granted <= self.received and self.connection is not None:
+        if self.granted <= self.received and self.job is not None:
             self.owing_since = time.monotonic_ns()
         self.granted = limit
-        if self.connection is not None:
-            self.connection.send_credit(limit)
+        if self.job is not None:
+            self.source.pool.tell(self.job, limit)
 
     def arrived(self, j: int, n: int, data: Any) -> None:
         if j < self.received or j in self.frames:
@@ -165,21 +173,23 @@ class _Shard:
         if fut is not None and not fut.done():
             fut.set_result(None)
 
+    def owing(self) -> int | None:
+        """Since when the current attempt owes a batch it has credit for (its clock for
+        the dispatcher's timeout), or ``None``."""
+        return self.owing_since if self.job is not None else None
+
     def settle(self, ended: int | None, failure: BaseException | None) -> None:
         """The shard's iteration is over: it had ``ended`` batches, or raised ``failure``
-        (called once every batch it sent has been read)."""
+        (every batch it sent came before). A failure stays."""
+        self.job = None
+        if self.failure is not None:
+            return
         self.ended, self.failure = ended, failure
         self.owing_since = None
         for fut in self.waiters.values():
             if not fut.done():
                 fut.set_result(None)
         self.waiters.clear()
-
-    async def read_to_end(self, task_id: int) -> None:
-        """Wait until attempt ``task_id``'s connection has been read to its end."""
-        while task_id not in self.read_out:
-            self.changed.clear()
-            await self.changed.wait()
 
     async def take(self, j: int) -> tuple[int, Any] | None:
         """Batch ``j``'s ``(samples, data)``; ``None`` if the shard ended before it."""
@@ -214,40 +224,34 @@ class ShardSource:
         self.side = side
         self.epoch = position.epoch
         self.num_shards = position.num_shards
-        self.dispatcher = Dispatcher(pool, recorder, timeout, max_retries, is_closed, watch=False, alone=True)
-        self.timeout = timeout
+        self.pool = pool
+        self.dispatcher = Dispatcher(pool, recorder, timeout, max_retries, is_closed, alone=True)
         self.shards = [_Shard(self, s, position.delivered[s]) for s in range(self.num_shards)]
         for s, ended in enumerate(position.ended):
             if ended:
                 self.shards[s].settle(position.delivered[s], None)
         self._next = [position.delivered[s] for s in range(self.num_shards)]
         self._turn = position.turn
-        self._dir = ""
-        self.address = ""
-        self._server: asyncio.AbstractServer | None = None
-        self.connections: set[_Connection] = set()
-        self._watchdog: asyncio.Task[None] | None = None
+        self._started = False
         self.closing = False
+        # Jobs that said hello (told to end when the source closes), and the lock that
+        # the pool's I/O thread shares with the loop for them and for ``closing``.
+        self._talking: set[Job] = set()
+        self._lock = threading.Lock()
 
     def shard_seed(self, shard: int) -> int:
         """``get_worker_info().seed`` of ``shard`` in this epoch; it also seeds the
         shard's global generators. A pure function of (seed, epoch, shard)."""
         return worker_seed(sample_seed(self.side.seed, self.epoch, 0), shard)
 
-    async def _start(self) -> None:
-        self._dir = tempfile.mkdtemp(prefix="aioloader-shards-")
-        self.address = os.path.join(self._dir, "s")
-        loop = asyncio.get_running_loop()
-        self._server = await loop.create_unix_server(lambda: _Connection(self), path=self.address)
-        for sh in self.shards:
-            if sh.ended is None:
-                sh.driver = asyncio.get_running_loop().create_task(self._drive(sh))
-        if self.timeout is not None:
-            self._watchdog = asyncio.get_running_loop().create_task(self._watch(self.timeout))
-
     async def next_unit(self) -> ShardUnit | None:
-        if self._server is None and not self.closing:
-            await self._start()
+        if not self._started and not self.closing:
+            self._started = True
+            loop = asyncio.get_running_loop()
+            self.waker = waker_for(loop)
+            for sh in self.shards:
+                if sh.ended is None:
+                    sh.driver = loop.create_task(self._drive(sh))
         for _ in range(self.num_shards):
             s = self._turn
             self._turn = (s + 1) % self.num_shards
@@ -270,50 +274,67 @@ class ShardSource:
         return _tasks.BatchResult(data, (), sh.pid, 0, 0)
 
     async def _drive(self, sh: _Shard) -> None:
+        # The task's messages come before its job settles (one channel, one order), so
+        # every batch it sent has arrived when it returns or raises.
         try:
-            res = await self.dispatcher.run(_shard.run_shard, sh.make_task, sh)
+            res = await self.dispatcher.run(
+                _shard.run_shard, sh.make_task, sh, on_part=self._on_part, owing=sh.owing
+            )
         except asyncio.CancelledError:
+            self._end_all()  # the run closes, or its loop goes away: no task may wait for credit
             raise
         except BaseException as exc:
-            # An exception raised in the worker: its task connected first and closed the
-            # connection before it returned, so the batches it sent before failing are
-            # delivered first. The pool's own verdicts (a dead or stopped worker) may
-            # come from a worker that never connected.
-            if not isinstance(exc, _POOL_ERRORS):
-                await sh.read_to_end(sh.task_id)
             sh.settle(None, exc)
             return
-        if res.batches < 0:
-            sh.settle(None, PoolBrokenError(f"worker pid {res.pid} could not connect to {self.address!r}"))
-            return
-        await sh.read_to_end(sh.task_id)
         sh.settle(res.batches, None)
 
-    async def _watch(self, timeout: float) -> None:
-        limit = int(timeout * 1e9)
-        while True:
-            await asyncio.sleep(min(0.05, timeout / 4))
-            self.dispatcher.expire_stuck_start()
-            now = time.monotonic_ns()
-            for sh in self.shards:
-                since = sh.owing_since
-                if since is not None and now - since > limit and sh.connection is not None:
-                    sh.owing_since = None
-                    await self.dispatcher.expire(sh.task_id)
+    def _end_all(self) -> None:
+        """Tell every shard task to end (at its next credit wait or send); from now on
+        a task that says hello is told so at once (see :meth:`_on_part`)."""
+        with self._lock:
+            self.closing = True
+            jobs, self._talking = [*self._talking, *self.dispatcher.jobs()], set()
+        for job in jobs:
+            self.pool.tell(job, None)
+
+    def _on_part(self, job: Job, message: Any) -> None:
+        """A shard task's message, from the pool's I/O thread (or the loader's thread):
+        handled on the loop, in order. A task that says hello once the source is
+        closing is told to end from here at once: the loop may be gone, and a task
+        waiting for credit would hold its worker for ever."""
+        with self._lock:
+            closing = self.closing
+            if not closing and type(message) is tuple and message[0] == "hello":
+                self._talking.add(job)
+        if closing:
+            self.pool.tell(job, None)
+            return
+        self.waker.call(self._handle, job, message)
+
+    def _handle(self, job: Job, message: Any) -> None:
+        if job.done:
+            with self._lock:
+                self._talking.discard(job)
+        sh = next((x for x in self.shards if x.task_id == job.task_id), None)
+        if sh is None or sh.ended is not None or self.closing:
+            self.pool.tell(job, None)  # a stale attempt, or a run that is over: it ends
+            return
+        if isinstance(message, BaseException):  # a batch that cannot be unpickled here
+            sh.settle(None, message)
+            self.pool.tell(job, None)
+        elif message[0] == "batch":  # ("batch", j, samples, data)
+            _, j, n, data = message
+            sh.arrived(j, n, data)
+        else:  # ("hello", pid)
+            sh.hello(job, message[1])
 
     async def aclose(self) -> None:
-        """Close every connection (each shard task ends at its next credit wait or
-        send), stop the drivers and remove the socket."""
+        """Tell every shard task to end (at its next credit wait or send), and stop the
+        drivers."""
         if self.closing:
             return
-        self.closing = True
-        if self._server is not None:
-            self._server.close()
+        self._end_all()  # the tasks not sent yet are told in _on_part
         pending: list[asyncio.Task[Any]] = [*self.dispatcher.stop()]
-        if self._watchdog is not None:
-            pending.append(self._watchdog)
-        for conn in list(self.connections):
-            conn.close()
         for sh in self.shards:
             if sh.driver is not None and not sh.driver.done():
                 pending.append(sh.driver)
@@ -321,79 +342,3 @@ class ShardSource:
             t.cancel()
         if pending:
             await asyncio.gather(*pending, return_exceptions=True)
-        if self._server is not None:
-            await self._server.wait_closed()
-        if self._dir:
-            shutil.rmtree(self._dir, ignore_errors=True)
-
-
-class _Connection(asyncio.Protocol):
-    """One shard task's connection: frames in, credits out.
-
-    A protocol rather than a stream reader, because of how such a connection ends: a
-    worker that closes its socket with credits it never read (those for batches past its
-    end) resets the connection, and a stream reader would then raise before handing out
-    the frames already buffered. Here every frame is handled as its bytes arrive, and
-    :meth:`connection_lost` comes after all of them."""
-
-    def __init__(self, source: ShardSource) -> None:
-        self.source = source
-        self.buf = bytearray()
-        self.shard: _Shard | None = None
-        self.task_id = 0
-        self.transport: asyncio.Transport | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]  # uvloop's is no asyncio.Transport subclass
-        if self.source.closing:
-            transport.close()
-            return
-        self.source.connections.add(self)
-
-    def data_received(self, data: bytes) -> None:
-        buf = self.buf
-        buf += data
-        head = _shard.FRAME_LENGTH.size
-        while len(buf) >= head:
-            end = head + _shard.FRAME_LENGTH.unpack_from(buf)[0]
-            if len(buf) < end:
-                return
-            message = pickle.loads(memoryview(buf)[head:end])
-            del buf[:end]
-            self._handle(message)
-
-    def _handle(self, message: tuple[Any, ...]) -> None:
-        if message[0] == "batch":
-            if self.shard is not None:
-                _, j, n, data = message
-                self.shard.arrived(j, n, data)
-            return
-        # ("hello", task_id, pid): which shard task this is
-        task_id, pid = message[1], message[2]
-        sh = next((x for x in self.source.shards if x.task_id == task_id), None)
-        if sh is None or sh.ended is not None or self.source.closing:
-            self.close()
-            return
-        self.shard, self.task_id = sh, task_id
-        sh.connection, sh.pid = self, pid
-        if sh.granted > sh.received:
-            sh.owing_since = time.monotonic_ns()
-        self.send_credit(sh.granted)
-
-    def send_credit(self, limit: int) -> None:
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(_shard.CREDIT.pack(limit))
-
-    def close(self) -> None:
-        if self.transport is not None:
-            self.transport.close()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        # What the shard task ended with is its result (the driver settles the shard).
-        self.source.connections.discard(self)
-        sh = self.shard
-        if sh is not None:
-            if sh.connection is self:
-                sh.connection = None
-            sh.read_out.add(self.task_id)
-            sh.changed.set()

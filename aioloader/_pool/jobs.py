@@ -46,8 +46,8 @@ class Job:
     """One submission of one task: what to run, and, once settled, its outcome."""
 
     __slots__ = (
-        "__weakref__", "alone", "args", "callback", "done", "fn", "gate", "lost", "outcome", "sent_ns",
-        "seq", "stopped", "submit_ns", "task_id", "waiter", "waker", "worker",
+        "__weakref__", "alone", "args", "callback", "done", "fn", "gate", "lost", "on_part", "outcome",
+        "sent_ns", "seq", "stopped", "submit_ns", "task_id", "waiter", "waker", "worker",
     )  # fmt: skip
 
     def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], task_id: int | None = None) -> None:
@@ -55,6 +55,9 @@ class Job:
         self.args = args
         self.task_id = task_id
         self.alone = False  # it holds its worker for long: nothing may wait behind it
+        # The running task's messages (its link's ``send``), from whichever thread reads
+        # them, in the order sent and before the job settles: ``on_part(job, message)``.
+        self.on_part: Callable[[Job, Any], None] | None = None
         self.submit_ns = time.monotonic_ns()
         self.outcome: Outcome | None = None
         self.lost: Lost | None = None

@@ -21,6 +21,7 @@ import queue
 import threading
 from typing import Any
 
+from .._worker import channel as _channel
 from .._worker import reply as _reply
 from .._worker import slots as _slots
 from ..errors import PoolBrokenError
@@ -37,6 +38,7 @@ class Thread:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._running: Job | None = None
+        self._link: _ThreadLink | None = None  # the running job's, if it talks with its consumer
         self.closed = False
         self.fatal: Exception | None = None  # never: a thread cannot break
 
@@ -67,18 +69,24 @@ class Thread:
             if not job.begins():  # cancelled by its submitter before it ran
                 job.settle(lost=Lost())
                 continue
+            link = None if job.on_part is None else _ThreadLink(job)
             with self._lock:
                 self._running = job
+                self._link = link
             fn, args = job.fn, job.args
+            _channel.set_link(link)
             try:
                 outcome = fn(*args)
                 if not isinstance(outcome, _reply.Outcome):
                     outcome = _reply.Outcome(True, outcome)
             except BaseException as exc:  # the Executor face's own functions
                 outcome = _reply.Outcome(False, exc)
+            finally:
+                _channel.set_link(None)
             del fn, args
             with self._lock:
-                self._running = None
+                if self._running is job:
+                    self._running = self._link = None
                 current = self._thread is me
             job.settle(outcome)
             if not current:
@@ -90,6 +98,14 @@ class Thread:
             return
         self._queue.put(job)
 
+    def tell(self, job: Job, message: Any) -> bool:
+        with self._lock:
+            link = self._link
+            if link is None or link.job is not job or job.done:
+                return False
+        link.inbox.put(message)
+        return True
+
     def running_since(self, job: Job) -> int | None:
         if job.done or job.task_id is None:
             return None
@@ -100,15 +116,21 @@ class Thread:
             if self._running is not job or job.task_id not in _slots.local_starts:
                 return None
             self._running = None
+            link, self._link = self._link, None
             self._new_thread()  # takes the queue; the stuck one ends when its sample returns
         job.stopped = True
         job.settle(lost=Lost())
+        if link is not None:
+            link.inbox.put(None)  # a stuck shard ends at its next credit wait
         return "the stuck thread was abandoned (it ends when its sample returns)"
 
     def close(self, grace: float) -> None:
         with self._lock:
             self.closed = True
             t = self._thread
+            link = self._link
+        if link is not None:
+            link.inbox.put(None)  # a shard ends at its next credit wait
         self._queue.put(None)
         if t is not None and t is not threading.current_thread():
             t.join(max(grace, 0.0) + 5.0)
@@ -119,6 +141,24 @@ class Thread:
                 return
             if job is not None:
                 job.settle(lost=Lost())
+
+
+class _ThreadLink:
+    """The running job's link on the loader's thread (see
+    :func:`aioloader._worker.channel.current_link`): its messages go to the job as they
+    are (nothing is pickled), and what it is told waits in a queue."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+
+    def send(self, message: Any) -> None:
+        on_part = self.job.on_part
+        if on_part is not None:
+            on_part(self.job, message)
+
+    def recv(self) -> Any:
+        return self.inbox.get()
 
 
 class Borrowed:

@@ -222,12 +222,21 @@ class WorkerPool(cf.Executor):
         return self
 
     # ------------------------------------------------------------- the fast path
-    def send(self, fn: Callable[[Any], Any], task: Any, *, alone: bool = False) -> Job:
+    def send(
+        self,
+        fn: Callable[[Any], Any],
+        task: Any,
+        *,
+        alone: bool = False,
+        on_part: Callable[[Job, Any], None] | None = None,
+    ) -> Job:
         """Run ``fn(task)`` on a worker (``task.task_id`` names it); never raises but
         :class:`~aioloader.LoaderClosedError`. ``alone``: the task holds its worker for
-        long (a shard), so it goes to an idle worker and nothing waits behind it."""
+        long (a shard), so it goes to an idle worker and nothing waits behind it.
+        ``on_part``: takes the messages the task sends while it runs (see :meth:`tell`)."""
         job = Job(_reply.Entry(fn, _reply.origin()), (task,), task.task_id)
         job.alone = alone
+        job.on_part = on_part
         backend = self._backend()
         if not backend.started:  # the dispatcher starts it first: this is a fallback
             backend.start()
@@ -249,6 +258,20 @@ class WorkerPool(cf.Executor):
             raise job.lost
         assert job.outcome is not None
         return job.outcome.unwrap()
+
+    @property
+    def links(self) -> bool:
+        """Can a running task talk with its consumer here (:meth:`tell`, ``on_part``)?
+        On owned processes and the loader's thread; not on a borrowed executor."""
+        return self.kind != "external"
+
+    def tell(self, job: Job, message: Any) -> bool:
+        """Send ``message`` to ``job``'s running task (what its link's ``recv`` returns);
+        ``False`` if it is not running (not started yet, ended, or its worker died)."""
+        backend = self._box[0]
+        if backend is None or isinstance(backend, Borrowed):
+            return False
+        return backend.tell(job, message)
 
     def started_at(self, job: Job) -> int | None:
         """``time.monotonic_ns()`` when a worker started the task (submission, for a

@@ -34,6 +34,7 @@ import collections
 import contextlib
 import mmap
 import os
+import pickle
 import selectors
 import signal
 import socket
@@ -50,7 +51,7 @@ from .._worker import byvalue as _byvalue
 from .._worker import channel as _channel
 from .._worker import reply as _reply
 from .._worker import tasks as _tasks
-from .._worker.channel import HEAD, READ
+from .._worker.channel import HEAD, PART, READ, SIZE
 from .._worker.slots import SharedTable, Slots, describe_exit
 from ..errors import PoolBrokenError
 from . import zygote as _zygote
@@ -293,6 +294,20 @@ class Procs:
             self._put(w, part)
         return None
 
+    def tell(self, job: Job, message: Any) -> bool:
+        """Write ``message`` to the running task of ``job`` (its link's :meth:`recv`).
+        ``False`` if the job is not running on a live worker."""
+        parts = _channel.frame_parts(message, PART)
+        with self._lock:
+            w = job.worker
+            if job.done or not isinstance(w, _Worker) or not w.sent or w.sent[0] is not job:
+                return False
+            if w.code is not None or w.eof or w.why_killed:
+                return False
+            for part in parts:
+                self._put(w, part)
+        return True
+
     def _put(self, w: _Worker, data: memoryview) -> None:
         n = 0
         if not w.out:
@@ -428,8 +443,8 @@ class Procs:
         buf, start, end = w.inbuf, w.start, w.end
         need = len(buf)
         if end - start >= HEAD.size:
-            (size,) = HEAD.unpack_from(buf, start)
-            need = HEAD.size + size
+            (word,) = HEAD.unpack_from(buf, start)
+            need = HEAD.size + (word & SIZE)
             if end - start >= need:
                 return False
         if start == 0 and need > len(buf):
@@ -447,14 +462,16 @@ class Procs:
         return True
 
     def _replies(self, w: _Worker) -> None:
+        """Settle the jobs whose replies are in ``w``'s buffer, and hand the running
+        task's messages (frames with :data:`PART` set) to its job, in channel order."""
         buf, pos, end = w.inbuf, w.start, w.end
         spans = []
         while end - pos >= HEAD.size:
-            (size,) = HEAD.unpack_from(buf, pos)
-            stop = pos + HEAD.size + size
+            (word,) = HEAD.unpack_from(buf, pos)
+            stop = pos + HEAD.size + (word & SIZE)
             if end < stop:
                 break
-            spans.append((pos + HEAD.size, stop))
+            spans.append((pos + HEAD.size, stop, word & PART))
             pos = stop
         if pos == end:  # all consumed: start over, and give back a buffer grown for a large frame
             pos = end = 0
@@ -468,18 +485,27 @@ class Procs:
         with self._lock:
             w.ready = True
             self._start_failures = 0
-            for _ in spans:
+            answered = False
+            for span in spans:
+                if span[2]:  # a message of the running task: the oldest unanswered job's
+                    jobs.append(w.sent[0] if w.sent else None)
+                    continue
+                answered = True
                 job = w.sent.popleft() if w.sent else None
                 if job is not None:  # its time on the worker: from its sending or the answer before it
                     self._observe(now - max(job.sent_ns, w.last_ns))
                 jobs.append(job)
-            w.last_ns = now
-            self._flush_pending(w)
-            self._idle.notify_all()
+            if answered:
+                w.last_ns = now
+                self._flush_pending(w)
+                self._idle.notify_all()
         self._settle_unsent()
         with memoryview(buf) as view:
-            for job, (a, b) in zip(jobs, spans, strict=True):
+            for job, (a, b, part) in zip(jobs, spans, strict=True):
                 with view[a:b] as data:
+                    if part:
+                        _hand(job, data)
+                        continue
                     outcome = _reply.arrived(data)  # even with nobody waiting: it frees what the reply holds
                 if job is not None:
                     job.settle(outcome)
@@ -820,3 +846,21 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _hand(job: Job | None, data: memoryview) -> None:
+    """Give the running task's message to its job (in the I/O thread, from the buffer,
+    before the buffer is read into again). One that cannot be unpickled here is handed
+    as the exception that says so."""
+    on_part = job.on_part if job is not None else None
+    if job is None or on_part is None:
+        return
+    message: Any
+    try:
+        message = pickle.loads(data)
+    except Exception as exc:
+        message = exc
+    try:
+        on_part(job, message)
+    except Exception:  # the receiver's own failure must not stop the I/O thread
+        traceback.print_exc()

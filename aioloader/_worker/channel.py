@@ -13,6 +13,12 @@ them from the objects it holds, uncopied, and its heap never holds a second copy
 batch. Such a frame's length has :data:`BESIDE` set; its body is the buffers' count and
 lengths, the pickle, then the buffers.
 
+A task that lasts (an iterable dataset's shard) talks with the consumer while it runs,
+through the worker's :class:`Link` (:func:`current_link`): messages out (a batch) and
+in (a credit). Their frames have :data:`PART` set in their length. The pool hands a
+message out to the job it belongs to, the oldest unanswered one of the channel, and
+the task's reply still ends it. A message in that finds its task ended is dropped.
+
 Worker side: this module never imports asyncio.
 """
 
@@ -21,18 +27,22 @@ from __future__ import annotations
 import os
 import pickle
 import struct
+import threading
 from collections.abc import Callable
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 __all__ = [
-    "BESIDE", "HEAD", "JOIN_MAX", "READ", "Carried", "frame", "frame_parts", "pickled", "read_exact", "serve",
+    "BESIDE", "HEAD", "JOIN_MAX", "PART", "READ", "SIZE", "Carried", "Link", "current_link", "frame", "frame_parts",
+    "pickled", "read_exact", "serve", "set_link",
 ]  # fmt: skip
 
 HEAD = struct.Struct("<Q")
 READ = 1 << 18  # most bytes one read takes from the socket
 JOIN_MAX = 1 << 16  # a pickle up to this size is copied behind its head, into one buffer
 BESIDE = 1 << 63  # in a frame's length: buffers travel beside the pickle
+PART = 1 << 62  # in a frame's length: a message of the running task (see Link)
+SIZE = PART - 1  # a frame's length: its bits that count bytes
 BESIDE_MIN = 1 << 14  # a bytes object this large goes beside the pickle
 _COUNT = struct.Struct("<I")
 
@@ -114,22 +124,23 @@ def frame(obj: Any) -> memoryview:
     return _join(pickled(obj))
 
 
-def frame_parts(obj: Any) -> tuple[memoryview, ...]:
+def frame_parts(obj: Any, flags: int = 0, beside: bool = True) -> tuple[memoryview, ...]:
     """``obj``'s frame as buffers to write in order: one; for a large pickle its head
-    and the pickle as it is, not copied behind it; and the buffers that go beside the
-    pickle (see :class:`Carried`), as the objects that hold them."""
+    and the pickle as it is, not copied behind it; and, with ``beside``, the buffers
+    that go beside the pickle (see :class:`Carried`), as the objects that hold them.
+    ``flags`` (:data:`PART`) are set in the frame's length."""
     views: list[memoryview] = []
-    data = pickled(obj, views)
+    data = pickled(obj, views if beside else None)
     if views:
         meta = _COUNT.pack(len(views)) + b"".join(HEAD.pack(v.nbytes) for v in views)
         size = len(meta) + len(data) + sum(v.nbytes for v in views)
-        head = HEAD.pack(BESIDE | size) + meta
+        head = HEAD.pack(flags | BESIDE | size) + meta
         if len(data) <= JOIN_MAX:
             return (memoryview(head + data), *views)
         return (memoryview(head), memoryview(data), *views)
     if len(data) <= JOIN_MAX:
-        return (_join(data),)
-    return memoryview(HEAD.pack(len(data))), memoryview(data)
+        return (memoryview(HEAD.pack(flags | len(data)) + data),)
+    return memoryview(HEAD.pack(flags | len(data))), memoryview(data)
 
 
 def loads(body: bytes | bytearray, beside: bool) -> Any:
@@ -170,35 +181,104 @@ def read_exact(fd: int, n: int) -> bytes | bytearray | None:
     return buf
 
 
+def _read(fd: int) -> tuple[int, bytes | bytearray] | None:
+    """The next frame: its length word (flags included) and its body; ``None`` at the
+    end of the socket (the consumer is gone)."""
+    try:
+        head = read_exact(fd, HEAD.size)
+        if head is None:
+            return None
+        word = HEAD.unpack(head)[0]
+        if not word & SIZE:
+            return word, b""
+        body = read_exact(fd, word & SIZE)
+    except ConnectionResetError:
+        return None
+    return None if body is None else (word, body)
+
+
+class Link:
+    """The running task's way to its consumer over the worker's channel: :meth:`send`
+    a message out (the pool hands it to the task's job), :meth:`recv` one in (what the
+    pool was told for the job). Messages are any picklable objects."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._held: tuple[int, bytes | bytearray] | None = None  # a frame that is not the task's
+        self._gone = False
+
+    def send(self, obj: Any) -> None:
+        """Raises what pickling raises, or ``BrokenPipeError`` when the consumer is gone."""
+        for view in frame_parts(obj, PART, beside=False):  # the pool reads it in place
+            while view:
+                view = view[os.write(self.fd, view) :]
+
+    def recv(self) -> Any:
+        """The consumer's next message to the running task (blocking); ``None`` when no
+        more will come: the consumer is gone, or asks this worker to stop."""
+        if self._held is not None or self._gone:
+            return None
+        got = _read(self.fd)
+        if got is None:
+            self._gone = True
+            return None
+        word, body = got
+        if word & PART:
+            return loads(body, bool(word & BESIDE))
+        self._held = got  # a stop (or a task): the serve loop's, once the task returns
+        return None
+
+    def take(self) -> tuple[int, bytes | bytearray] | None:
+        """The next frame for the serve loop."""
+        held, self._held = self._held, None
+        if held is not None:
+            return held
+        return None if self._gone else _read(self.fd)
+
+
+_current = threading.local()
+
+
+def current_link() -> Any:
+    """The running task's link to its consumer (a :class:`Link`, or the loader thread's
+    own kind), or ``None`` where the task has none (a borrowed executor)."""
+    return getattr(_current, "link", None)
+
+
+def set_link(link: Any) -> None:
+    _current.link = link
+
+
 def serve(fd: int, run: Callable[[Callable[..., Any], tuple[Any, ...]], memoryview]) -> bool:
     """A worker's loop: read a task, drop its pickle, ``run`` it into a reply frame,
     drop its arguments, write the reply. Returns ``True`` when asked to stop, ``False``
     when the consumer's end closed (it is gone)."""
-    while True:
-        try:
-            head = read_exact(fd, HEAD.size)
-        except ConnectionResetError:
-            return False
-        if head is None:
-            return False
-        size = HEAD.unpack(head)[0]
-        if not size:
-            return True
-        body = read_exact(fd, size & ~BESIDE)
-        if body is None:
-            return False
-        try:
-            fn, args = loads(body, bool(size & BESIDE))
-        except BaseException as exc:  # a task that cannot be unpickled here fails alone
-            fn, args = _raise, (exc,)
-        del body  # a batch's fetched payloads, pickled: not kept while the task runs
-        view = run(fn, args)
-        del fn, args  # nor the payloads themselves while the next task is awaited
-        while view:
-            try:
-                view = view[os.write(fd, view) :]
-            except (BrokenPipeError, ConnectionResetError):
+    link = Link(fd)
+    set_link(link)
+    try:
+        while True:
+            got = link.take()
+            if got is None:
                 return False
+            word, body = got
+            if word & PART:
+                continue  # a message for a task that has ended
+            if not word & SIZE:
+                return True
+            try:
+                fn, args = loads(body, bool(word & BESIDE))
+            except BaseException as exc:  # a task that cannot be unpickled here fails alone
+                fn, args = _raise, (exc,)
+            del body, got  # a batch's fetched payloads, pickled: not kept while the task runs
+            view = run(fn, args)
+            del fn, args  # nor the payloads themselves while the next task is awaited
+            while view:
+                try:
+                    view = view[os.write(fd, view) :]
+                except (BrokenPipeError, ConnectionResetError):
+                    return False
+    finally:
+        set_link(None)
 
 
 def _raise(exc: BaseException) -> None:
