@@ -148,9 +148,7 @@ class SpdlLoader:
                 .add_sink(concurrency)
             )
         else:
-            self._pool = ProcessPoolExecutor(
-                workers, initializer=bd.set_worker_dataset, initargs=(dataset,)
-            )
+            self._pool = ProcessPoolExecutor(workers, initializer=bd.set_worker_dataset, initargs=(dataset,))
             builder = (
                 PipelineBuilder()
                 .add_source(_EpochBatches(n, batch_size), continuous=True)

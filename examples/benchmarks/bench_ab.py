@@ -25,6 +25,12 @@ synthetic JPEGs, decode + crop + flip, batch 64) and reports images/s::
     python examples/benchmarks/bench_ab.py /tmp/before . --workload pickled --pairs 4
     python examples/benchmarks/bench_ab.py /tmp/before . --workload jpeg --pairs 3
 
+``--workload iterable`` is a torch ``IterableDataset`` of 100,000 ints, batch 64: each
+of the 2 workers iterates its shard and sends its batches while the consumer grants
+credit::
+
+    python examples/benchmarks/bench_ab.py /tmp/before . --workload iterable --pairs 4
+
 ``--one`` measures the aioloader that ``import aioloader`` finds (what each run does).
 """
 
@@ -49,6 +55,7 @@ WORKLOADS = {
     "cold": (4_096, 64),
     "pickled": (12_800, 64),
     "jpeg": (2_048, 64),
+    "iterable": (100_000, 64),
 }
 
 
@@ -121,6 +128,10 @@ def one(workload: str, face: str, epochs: int, samples: int | None = None) -> st
         root = default_cache() / f"bench-jpegs-{n}"
         make_synthetic_jpegs(root, n)
         loader = aioloader.DataLoader(bd.jpeg_dataset(str(root)), bs, shuffle=True, seed=0, num_workers=2)
+    elif workload == "iterable":  # a torch IterableDataset: one shard task per worker
+        import _bench_torch_dataset as btd
+
+        loader = aioloader.DataLoader(btd.ShardedInts(n), bs, num_workers=2)
     else:
         loader = aioloader.DataLoader(bd.IntDataset(n), bs, shuffle=True, seed=0, num_workers=2)
 
@@ -145,7 +156,9 @@ def one(workload: str, face: str, epochs: int, samples: int | None = None) -> st
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
-        "checkouts", nargs="*", help="two source trees (A and B), each with aioloader/ in it; with cold, a third may be torch"
+        "checkouts",
+        nargs="*",
+        help="two source trees (A and B), each with aioloader/ in it; with cold, a third may be torch",
     )
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="tiny")
     ap.add_argument("--face", choices=("for", "async-for"), default="for")
@@ -156,7 +169,11 @@ def main() -> None:
     ap.add_argument("--torch", action="store_true", help="with --one and cold: torch's DataLoader")
     args = ap.parse_args()
     if args.one:
-        line = cold(args.torch) if args.workload == "cold" else one(args.workload, args.face, args.epochs, args.samples)
+        line = (
+            cold(args.torch)
+            if args.workload == "cold"
+            else one(args.workload, args.face, args.epochs, args.samples)
+        )
         print(line, flush=True)
         return
     sides = list(args.checkouts)
