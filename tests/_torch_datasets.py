@@ -188,3 +188,36 @@ def record_init(worker_id: int) -> None:
     """A worker_init_fn that records its id on the worker's copy of the dataset."""
     info = torch.utils.data.get_worker_info()
     info.dataset.init_ids.append(worker_id)
+
+
+def _rebuilt_in(consumer_pid: int, i: int) -> int:
+    import os
+
+    if os.getpid() == consumer_pid:
+        raise ValueError(f"sample {i} cannot be rebuilt in the main process")
+    return i
+
+
+class FailsInMain:
+    """A sample that pickles in a worker but cannot be unpickled in the main process."""
+
+    def __init__(self, consumer_pid: int, i: int) -> None:
+        self.consumer_pid, self.i = consumer_pid, i
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuilt_in, (self.consumer_pid, self.i))
+
+
+class UnreadableAt(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+    """Ints; worker 0's sample ``at`` reaches the main process as a :class:`FailsInMain`."""
+
+    def __init__(self, n: int, at: int) -> None:
+        import os
+
+        self.n, self.at, self.consumer_pid = n, at, os.getpid()
+
+    def __iter__(self) -> Any:
+        info = torch.utils.data.get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
+        for i in range(wid, self.n, nw):
+            yield FailsInMain(self.consumer_pid, i) if i == self.at else i

@@ -334,3 +334,28 @@ def test_shards_talk_over_their_jobs_and_the_run_makes_no_socket(collect: Any, w
         got = collect(loader)
     assert labels(first) == expected[:1] and labels(got) == expected
     assert not during
+
+
+def test_a_batch_that_cannot_be_unpickled_in_the_main_process_is_named(collect: Any) -> None:
+    """Worker 0's third batch holds a sample that only the main process fails to
+    rebuild: the batches before it arrive, then its error, with a note naming the batch,
+    the worker and the epoch."""
+    from ._torch_datasets import UnreadableAt
+
+    with aioloader.DataLoader(UnreadableAt(20, at=8), batch_size=2, num_workers=2, collate_fn=list) as loader:
+        got: list[Any] = []
+        with pytest.raises(ValueError, match="sample 8 cannot be rebuilt") as info:
+            if collect is _collect_sync:
+                for b in loader:
+                    got.append(b)
+            else:
+
+                async def drain() -> None:
+                    async for b in loader:
+                        got.append(b)
+
+                asyncio.run(drain())
+        notes = " ".join(getattr(info.value, "__notes__", []))
+        assert "batch 2 of worker 0 in epoch 0 in the main process" in notes, notes
+        assert got[:4] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+        assert [i for b in collect(loader, limit=3) for i in b] == [0, 2, 1, 3, 4, 6]  # the next epoch starts

@@ -44,6 +44,7 @@ from .._stats import Recorder
 from .._wake import waker_for
 from .._worker import shard as _shard
 from .._worker import tasks as _tasks
+from ..errors import add_note
 from .dispatch import Dispatcher
 
 __all__ = ["ShardPosition", "ShardSource", "ShardUnit"]
@@ -320,6 +321,8 @@ class ShardSource:
             self.pool.tell(job, None)  # a stale attempt, or a run that is over: it ends
             return
         if isinstance(message, BaseException):  # a batch that cannot be unpickled here
+            add_note(message, f"aioloader: raised unpickling batch {sh.received} of worker {sh.index} in "
+                     f"epoch {self.epoch} in the main process (worker pid {sh.pid})")  # fmt: skip
             sh.settle(None, message)
             self.pool.tell(job, None)
         elif message[0] == "batch":  # ("batch", j, samples, data)
