@@ -450,3 +450,4 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
             f"<aioloader.DataLoader batch_size={self.batch_size} num_workers={self.num_workers} "
             f"prefetch={self.prefetch} {self._state.value}>"
         )
+

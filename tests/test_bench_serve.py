@@ -62,9 +62,7 @@ def test_bench_serve_smallest_run_writes_every_part(tmp_path: Path) -> None:
     (run,) = result["overload_by_rep"]
     assert sum(run["rejected_over_1ms_by_cause"].values()) == run["rejected_over_1ms"] <= run["rejected"]
     slow = result["overload_slow_refusals"]
-    assert (
-        slow["over_1ms"] == run["rejected_over_1ms"] and slow["by_cause"] == run["rejected_over_1ms_by_cause"]
-    )
+    assert slow["over_1ms"] == run["rejected_over_1ms"] and slow["by_cause"] == run["rejected_over_1ms_by_cause"]
 
 
 def test_bench_serve_overload_only_runs_the_overload_part_alone(tmp_path: Path) -> None:
@@ -79,7 +77,6 @@ def test_bench_serve_overload_only_runs_the_overload_part_alone(tmp_path: Path) 
     for args in (("--overload-only", "0.4", "--seconds", "2"), ("--overload-only", "200", "--png", "x.png")):
         proc = _run(tmp_path, *args)
         assert proc.returncode == 2 and "--overload-only" in proc.stderr
-
 
 def _bench_serve() -> Any:
     sys.path.insert(0, str(BENCH.parent))
@@ -151,9 +148,7 @@ def test_a_slow_refusal_is_put_down_to_its_cause() -> None:
     assert s.collections >= 1 and s.pauses[-1][0] == 2  # gc.collect() is a full collection
     s.pauses.clear()
 
-    def stop(
-        *, ago: float = 0.002, cpu: float = 0.0, vol: int = 10**9, invol: int = 10**9, gcs: int = 0
-    ) -> None:
+    def stop(*, ago: float = 0.002, cpu: float = 0.0, vol: int = 10**9, invol: int = 10**9, gcs: int = 0) -> None:
         clock, _, _, _, _ = s.start()
         s.stop((clock - ago, time.thread_time() - cpu, vol, invol, gcs))
 
@@ -180,9 +175,7 @@ def test_a_slow_refusal_is_put_down_to_its_cause() -> None:
 def test_overload_repetitions_merge_into_medians_and_summed_causes() -> None:
     bs = _bench_serve()
 
-    def run(
-        rejected: int, p99: float | None, causes: dict[str, int], slowest: dict[str, float]
-    ) -> dict[str, Any]:
+    def run(rejected: int, p99: float | None, causes: dict[str, int], slowest: dict[str, float]) -> dict[str, Any]:
         return {
             "rate": 6400.0, "rejected": rejected, "rejected_p99_ms": p99,
             "rejected_over_1ms": sum(causes.values()),

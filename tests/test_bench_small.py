@@ -23,12 +23,7 @@ def _run(script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     proc = subprocess.run(
-        [sys.executable, str(BENCH / script), *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=140,
+        [sys.executable, str(BENCH / script), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=140
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
@@ -48,9 +43,7 @@ def test_bench_ipc_smallest_run_reports_every_configuration(tmp_path: Path) -> N
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_bench_stream_latency_smallest_run_reports_both_scenarios(tmp_path: Path, mode: str) -> None:
-    proc = _run(
-        "bench_stream_latency.py", "--seconds", "0.4", "--warmup", "0.2", "--mode", mode, cwd=tmp_path
-    )
+    proc = _run("bench_stream_latency.py", "--seconds", "0.4", "--warmup", "0.2", "--mode", mode, cwd=tmp_path)
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["mode"] == mode
     assert result["added"]["items"] > 0 and result["deadline"]["items"] > 0

@@ -19,14 +19,11 @@ import pytest
 
 from .conftest import _is_zombie, group_alive, wait_until
 
-pytestmark = [
-    pytest.mark.timeout(180),
-    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux"),
-]
+pytestmark = [pytest.mark.timeout(180), pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux")]
 
 # A dataset module that records every process that imports it: the stand-in for a module
 # that imports torch (seconds of import in each fresh interpreter).
-PROBE = """
+PROBE = '''
 import os
 with open(os.environ["PROBE_LOG"], "a") as f:
     f.write(f"{os.getpid()}\\n")
@@ -37,9 +34,9 @@ class Squares:
 
     def __getitem__(self, i):
         return i * i
-"""
+'''
 
-CONSUMER = """
+CONSUMER = '''
 import asyncio, json, os, sys, threading
 print("before the loader")  # buffered: a fork that copied the buffer would print it twice
 import probe
@@ -90,14 +87,12 @@ if __name__ == "__main__":
         stop.set()
         helper.join()
     print(json.dumps(out))
-"""
+'''
 
 EXPECTED = [[i * i for i in range(s, s + 8)] for s in range(0, 40, 8)]
 
 
-def _consume(
-    tmp_path: Path, face: str, mode: str, env: dict[str, str] | None = None
-) -> tuple[dict, list[int], str]:
+def _consume(tmp_path: Path, face: str, mode: str, env: dict[str, str] | None = None) -> tuple[dict, list[int], str]:
     (tmp_path / "probe.py").write_text(PROBE)
     script = tmp_path / "consumer.py"
     script.write_text(textwrap.dedent(CONSUMER))
@@ -108,12 +103,7 @@ def _consume(
         **(env or {}),
     }  # fmt: skip
     proc = subprocess.run(
-        [sys.executable, str(script), face, mode],
-        capture_output=True,
-        text=True,
-        timeout=150,
-        env=run_env,
-        check=False,
+        [sys.executable, str(script), face, mode], capture_output=True, text=True, timeout=150, env=run_env, check=False
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.splitlines()[-1])
@@ -122,9 +112,7 @@ def _consume(
 
 
 @pytest.mark.parametrize("face", ["for", "async-for"])
-def test_workers_start_from_a_copy_of_the_consumer_and_import_nothing_again(
-    tmp_path: Path, face: str
-) -> None:
+def test_workers_start_from_a_copy_of_the_consumer_and_import_nothing_again(tmp_path: Path, face: str) -> None:
     out, importers, stdout = _consume(tmp_path, face, "alone")
     assert out["batches"] == EXPECTED
     assert out["server_comm"] == "aioloader-zyg"
@@ -135,11 +123,8 @@ def test_workers_start_from_a_copy_of_the_consumer_and_import_nothing_again(
     assert importers == [out["consumer"]]
     assert stdout.count("before the loader") == 1
     # The forkserver goes with its consumer.
-    wait_until(
-        lambda: not os.path.exists(f"/proc/{out['server']}") or _is_zombie(out["server"]),
-        30.0,
-        "the forked forkserver to exit with its consumer",
-    )
+    wait_until(lambda: not os.path.exists(f"/proc/{out['server']}") or _is_zombie(out["server"]), 30.0,
+               "the forked forkserver to exit with its consumer")
 
 
 @pytest.mark.parametrize(
@@ -163,7 +148,7 @@ def test_the_forkserver_is_spawned_when_forking_is_not_safe_or_not_wanted(
 # What a worker imports while it builds its first batch, after its start (worker_init_fn):
 # a lazily imported module there (numpy.random was one, 13 modules and 13-19 ms) is paid
 # for by every worker before the first batch. The consumer's first iteration likewise.
-FIRST_IMPORTS = """
+FIRST_IMPORTS = '''
 import json, os, sys
 import aioloader
 
@@ -193,20 +178,16 @@ if __name__ == "__main__":
     worker = sorted({m for sample in batch + [s for b in it for s in b] for m in sample})
     loader.close()
     print(json.dumps({"consumer": consumer, "worker": worker}))
-"""
+'''
 
 
 @pytest.mark.parametrize("forkserver", ["forked", "spawned"])
-def test_the_first_batch_imports_nothing_in_a_worker_or_in_the_consumer(
-    tmp_path: Path, forkserver: str
-) -> None:
+def test_the_first_batch_imports_nothing_in_a_worker_or_in_the_consumer(tmp_path: Path, forkserver: str) -> None:
     script = tmp_path / "first.py"
     script.write_text(FIRST_IMPORTS)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
     env["AIOLOADER_FORKSERVER"] = "spawn" if forkserver == "spawned" else ""
-    proc = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=150, env=env, check=False
-    )
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=150, env=env, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.splitlines()[-1])
     assert out["worker"] == []  # seeding, reading and collating a shuffled batch
@@ -271,7 +252,7 @@ def _gone(pid: int) -> bool:
 
 # A supervisor that stops a job (systemd, Slurm) sends SIGTERM to every process of it:
 # the consumer, its workers and the zygote all end, and leave nothing behind.
-SIGTERMED = """
+SIGTERMED = '''
 import sys
 import aioloader
 from aioloader._pool import zygote as _forkserver
@@ -281,7 +262,7 @@ if __name__ == "__main__":
     batches = [b.tolist() for b in loader]
     print(_forkserver.server_pid(), *loader.worker_pids(), flush=True)
     sys.stdin.read()  # until the test stops the whole process group
-"""
+'''
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
@@ -322,7 +303,7 @@ def _mp_semaphores() -> set[str]:
 # A child process the consumer feeds through a pipe, started before the first loader:
 # the forked forkserver (which lives as long as the consumer) must not keep the
 # consumer's end of that pipe open, or the child never sees the end of its input.
-PIPED_CHILD = """
+PIPED_CHILD = '''
 import json, subprocess, sys
 import aioloader
 from aioloader._pool import zygote as _forkserver
@@ -343,7 +324,7 @@ if __name__ == "__main__":
         child.kill()
         out = "no end of input"
     print(json.dumps({"batches": batches, "child": out.strip(), "server": server}), flush=True)
-"""
+'''
 
 
 def test_the_forked_forkserver_keeps_no_pipe_the_consumer_shares_with_a_child(tmp_path: Path) -> None:

@@ -67,9 +67,7 @@ def test_augmentations_identical_after_a_crash(tmp_path: Path) -> None:
         clean = by_index(list(loader))
     # No speculative next epoch: its loads could reach the crash-once sample first.
     ds = AugmentedCrashDataset(30, 11, str(tmp_path / "crashed"))
-    with aioloader.DataLoader(
-        ds, 5, shuffle=True, seed=9, num_workers=2, prefetch_next_epoch=False
-    ) as loader:
+    with aioloader.DataLoader(ds, 5, shuffle=True, seed=9, num_workers=2, prefetch_next_epoch=False) as loader:
         crashed = by_index(list(loader))
         assert loader.stats().restarts == 1
     assert crashed == clean

@@ -109,14 +109,10 @@ def test_unpicklable_exception_arrives_as_remote_error(collect) -> None:
 
 @pytest.mark.parametrize("collate", [None, list], ids=["default-collate", "list"])
 @pytest.mark.parametrize("num_workers", WORKERS)
-def test_a_sample_that_will_not_pickle_names_the_batch_sample_and_field(
-    collect, num_workers, collate
-) -> None:
+def test_a_sample_that_will_not_pickle_names_the_batch_sample_and_field(collect, num_workers, collate) -> None:
     from ._unpicklable_datasets import LockInSample
 
-    with aioloader.DataLoader(
-        LockInSample(12, bad=5), 4, num_workers=num_workers, collate_fn=collate
-    ) as loader:
+    with aioloader.DataLoader(LockInSample(12, bad=5), 4, num_workers=num_workers, collate_fn=collate) as loader:
         if not num_workers:  # nothing is pickled in this process: the lock arrives as it is
             assert len(collect(loader)) == 3
             return
@@ -124,10 +120,7 @@ def test_a_sample_that_will_not_pickle_names_the_batch_sample_and_field(
             collect(loader)
         text = notes(info.value)
         path = "batch['meta'][1].lock" if collate is None else "batch[1]['meta'].lock"
-        assert (
-            f"batch 1 of epoch 0 cannot be pickled to travel to the main process: {path} holds a _thread.lock"
-            in text
-        )
+        assert f"batch 1 of epoch 0 cannot be pickled to travel to the main process: {path} holds a _thread.lock" in text
         assert "sample 1 of the batch (sample index 5), field sample['meta'].lock; in worker pid" in text
         assert "Traceback" in str(info.value.__cause__)
         # the worker lives on: the next epoch fails at the same batch, on the same workers
@@ -159,9 +152,7 @@ def test_a_stream_item_that_will_not_pickle_names_its_source_position(collect) -
             collect(stream)
     text = notes(info.value)
     assert "micro-batch 1 of the stream cannot be pickled to travel to the main process" in text
-    assert (
-        "batch['lock'][2] holds a _thread.lock; it comes from item 2 of the batch (source position 6)" in text
-    )
+    assert "batch['lock'][2] holds a _thread.lock; it comes from item 2 of the batch (source position 6)" in text
     assert "field item['lock']" in text and "fn and collate_fn" in text
 
 

@@ -295,9 +295,7 @@ def test_a_built_batch_waiting_for_its_consumer_keeps_no_fetched_values(face: st
             async def consume() -> list[list[int]]:
                 ait = dl.__aiter__()
                 first = [(await ait.__anext__()).tolist()]
-                await wait_until_async(
-                    _no_blob_alive, 30.0, "the built batches' fetched values to be dropped"
-                )
+                await wait_until_async(_no_blob_alive, 30.0, "the built batches' fetched values to be dropped")
                 return first + [b.tolist() async for b in ait]
 
             got = asyncio.run(consume())

@@ -37,6 +37,21 @@ def shard_dirs() -> set[str]:
     return set(glob.glob(os.path.join(tempfile.gettempdir(), "aioloader-shards-*")))
 
 
+def drain_into(got: list[Any], loader: Any, collect: Any) -> None:
+    """One epoch into ``got``, through the face ``collect`` stands for, so that the
+    batches taken before an error are kept when it raises."""
+    if collect is _collect_sync:
+        for b in loader:
+            got.append(b)
+        return
+
+    async def main() -> None:
+        async for b in loader:
+            got.append(b)
+
+    asyncio.run(main())
+
+
 def round_robin(n: int, batch_size: int, workers: int, drop_last: bool = False) -> list[list[int]]:
     """torch's order for ShardedRange(n): worker w holds w, w + workers, ...; its batches
     alternate with the other workers' while they last (checked against torch below)."""
@@ -143,18 +158,8 @@ def test_an_error_in_iteration_keeps_its_type_names_the_worker_and_comes_after_t
     ds = ShardedRange(24, fail_at=9)
     with aioloader.DataLoader(ds, batch_size=2, num_workers=2) as loader:
         got: list[Any] = []
-
         with pytest.raises(ValueError, match="sample 9 is bad") as info:
-            if collect.__name__ == "_collect_sync":
-                for b in loader:
-                    got.append(b)
-            else:
-
-                async def main() -> None:
-                    async for b in loader:
-                        got.append(b)
-
-                asyncio.run(main())
+            drain_into(got, loader, collect)
     notes = " ".join(getattr(info.value, "__notes__", []))
     assert "iterating the dataset" in notes and "batch 2 of worker 1 in epoch 0" in notes
     # Worker 0: [0,2] [4,6] [8,10] ...; worker 1: [1,3] [5,7] then fails at 9.
@@ -345,16 +350,7 @@ def test_a_batch_that_cannot_be_unpickled_in_the_main_process_is_named(collect: 
     with aioloader.DataLoader(UnreadableAt(20, at=8), batch_size=2, num_workers=2, collate_fn=list) as loader:
         got: list[Any] = []
         with pytest.raises(ValueError, match="sample 8 cannot be rebuilt") as info:
-            if collect is _collect_sync:
-                for b in loader:
-                    got.append(b)
-            else:
-
-                async def drain() -> None:
-                    async for b in loader:
-                        got.append(b)
-
-                asyncio.run(drain())
+            drain_into(got, loader, collect)
         notes = " ".join(getattr(info.value, "__notes__", []))
         assert "batch 2 of worker 0 in epoch 0 in the main process" in notes, notes
         assert got[:4] == [[0, 2], [1, 3], [4, 6], [5, 7]]

@@ -158,8 +158,7 @@ def _module_graph() -> dict[str, set[str]]:
         typing_only = {
             id(n)
             for block in ast.walk(tree)
-            if isinstance(block, ast.If)
-            and ast.unparse(block.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+            if isinstance(block, ast.If) and ast.unparse(block.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
             for n in ast.walk(block)
         }
         for node in ast.walk(tree):
@@ -200,13 +199,7 @@ def test_no_import_circle() -> None:
 def test_imports_flow_down_faces_engine_pool_worker_side() -> None:
     # The pool never reaches up into the engine or a face; the engine never into a face.
     graph = _module_graph()
-    faces = {
-        "aioloader.loader",
-        "aioloader.stream",
-        "aioloader.serving",
-        "aioloader._facade",
-        "aioloader._iterloader",
-    }
+    faces = {"aioloader.loader", "aioloader.stream", "aioloader.serving", "aioloader._facade", "aioloader._iterloader"}
     for name, deps in graph.items():
         if name.startswith("aioloader._pool"):
             bad = {d for d in deps if d.startswith("aioloader._engine") or d in faces}

@@ -39,9 +39,7 @@ CASES = [
 ]
 
 
-def _run(
-    tmp_path: Path, thread: bool, context: str, guard: bool
-) -> tuple[subprocess.CompletedProcess[str], list[int]]:
+def _run(tmp_path: Path, thread: bool, context: str, guard: bool) -> tuple[subprocess.CompletedProcess[str], list[int]]:
     marks = tmp_path / "runs"
     script = tmp_path / "train.py"
     head = 'if __name__ == "__main__":' if guard else "if True:  # no guard"
@@ -61,9 +59,7 @@ def _run(
 
 
 @pytest.mark.parametrize("thread,context", CASES)
-def test_an_unguarded_script_gets_one_error_naming_the_guard(
-    tmp_path: Path, thread: bool, context: str
-) -> None:
+def test_an_unguarded_script_gets_one_error_naming_the_guard(tmp_path: Path, thread: bool, context: str) -> None:
     proc, runs = _run(tmp_path, thread, context, guard=False)
     err = proc.stderr
     assert proc.returncode == 1, err
@@ -76,9 +72,7 @@ def test_an_unguarded_script_gets_one_error_naming_the_guard(
     # the consumer once, then each worker of the first generation at most once
     assert 1 < len(runs) <= 3, runs
     wait_until(lambda: not any(alive(p) for p in runs), 20.0, "the script's processes to exit")
-    left = [
-        n for n in os.listdir("/dev/shm") if n.startswith(SHM_PREFIX) and any(f"_{p}_" in n for p in runs)
-    ]
+    left = [n for n in os.listdir("/dev/shm") if n.startswith(SHM_PREFIX) and any(f"_{p}_" in n for p in runs)]
     assert not left and not list((tmp_path / "tmp").iterdir()), (left, list((tmp_path / "tmp").iterdir()))
 
 

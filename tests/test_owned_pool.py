@@ -58,11 +58,8 @@ def test_one_of_three_busy_workers_killed_only_it_is_replaced_and_nothing_else_r
             assert sorted(holders[i] for i in (0, 4, 8)) == sorted(before)  # one batch each
             victim = holders[4]
             os.kill(victim, signal.SIGKILL)
-            wait_until(
-                lambda: victim not in loader.worker_pids() and len(loader.worker_pids()) == 3,
-                30.0,
-                "the killed worker to be replaced",
-            )
+            wait_until(lambda: victim not in loader.worker_pids() and len(loader.worker_pids()) == 3, 30.0,
+                       "the killed worker to be replaced")
             writer = os.open(gate, os.O_WRONLY)  # the gate opens for everyone from now on
             consumer.join(60)
         finally:

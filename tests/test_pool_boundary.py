@@ -227,11 +227,8 @@ def test_killing_an_idle_worker_charges_nobody(tmp_path: Path, face: str) -> Non
                 lambda: H.syscall_of(idle) in H.WAIT_SYSCALLS, 20.0, "the idle worker to wait for work"
             )
             os.kill(idle, signal.SIGKILL)
-            wait_until(
-                lambda: idle not in loader.worker_pids() and len(loader.worker_pids()) == 2,
-                30.0,
-                "the idle worker to be replaced",
-            )
+            wait_until(lambda: idle not in loader.worker_pids() and len(loader.worker_pids()) == 2, 30.0,
+                       "the idle worker to be replaced")
             assert holder in loader.worker_pids() and consumer.is_alive()  # A still holds its batch
             os.kill(holder, signal.SIGKILL)
         finally:

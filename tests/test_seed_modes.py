@@ -161,10 +161,7 @@ def test_identical_after_a_crash(mode: str, tmp_path: Path) -> None:
         clean = by_batch(list(loader))
     # No speculative next epoch: its loads could reach the crash-once sample first.
     with aioloader.DataLoader(
-        AugmentedCrashDataset(30, 11, str(tmp_path / "crashed")),
-        num_workers=2,
-        prefetch_next_epoch=False,
-        **opts,
+        AugmentedCrashDataset(30, 11, str(tmp_path / "crashed")), num_workers=2, prefetch_next_epoch=False, **opts
     ) as loader:
         crashed = by_batch(list(loader))
         assert loader.stats().restarts == 1

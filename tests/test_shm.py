@@ -308,9 +308,7 @@ def _stop_orphans(pids: set[int]) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(p, signal.SIGKILL)
     try:
-        wait_until(
-            lambda: not any(_alive(p) for p in tracker), 20.0, "the orphaned tracker and forkserver to exit"
-        )
+        wait_until(lambda: not any(_alive(p) for p in tracker), 20.0, "the orphaned tracker and forkserver to exit")
     finally:
         for p in tracker:
             with contextlib.suppress(ProcessLookupError):

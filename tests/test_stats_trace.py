@@ -173,13 +173,7 @@ def test_trace_file_has_worker_tracks_and_consumer_waits(collect, tmp_path: Path
 def test_a_group_of_batches_is_one_span_naming_its_batches(tmp_path: Path) -> None:
     path = tmp_path / "groups.json"
     with aioloader.DataLoader(
-        RangeDataset(16),
-        4,
-        num_workers=1,
-        prefetch=4,
-        batches_per_task=2,
-        prefetch_next_epoch=False,
-        trace=path,
+        RangeDataset(16), 4, num_workers=1, prefetch=4, batches_per_task=2, prefetch_next_epoch=False, trace=path
     ) as loader:
         assert [y.tolist() for _, y in loader] == [list(range(k, k + 4)) for k in range(0, 16, 4)]
     threads = validate_trace(path.read_text())

@@ -44,11 +44,7 @@ def _own_names() -> set[str]:
     names: set[str] = set()
     for path in PKG.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            if (
-                isinstance(node, ast.Attribute)
-                and isinstance(node.ctx, ast.Store)
-                and node.attr.startswith("_")
-            ):
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and node.attr.startswith("_"):
                 if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
                     names.add(node.attr)
     return names
@@ -74,11 +70,7 @@ def _stdlib_private() -> set[str]:
                 except (OSError, TypeError):
                     continue
                 for node in ast.walk(ast.parse(_dedent(src))):
-                    if (
-                        isinstance(node, ast.Attribute)
-                        and node.attr.startswith("_")
-                        and not node.attr.startswith("__")
-                    ):
+                    if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
                         names.add(node.attr)
     return names
 
@@ -99,10 +91,7 @@ def _stdlib_aliases(tree: ast.AST) -> set[str]:
                 if any(a.name == r or a.name.startswith(r + ".") for r in ROOTS):
                     aliases.add(a.asname or a.name.split(".")[0])
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            if any(
-                node.module == r or node.module.startswith(r + ".") or r.startswith(node.module + ".")
-                for r in ROOTS
-            ):
+            if any(node.module == r or node.module.startswith(r + ".") or r.startswith(node.module + ".") for r in ROOTS):
                 for a in node.names:
                     aliases.add(a.asname or a.name)
     return aliases
@@ -139,9 +128,7 @@ def offences(path: Path, private: set[str]) -> list[str]:
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             for t in targets:
                 if isinstance(t, ast.Attribute) and _root(t) in aliases:
-                    found.append(
-                        f"{where}:{node.lineno}: assigns {ast.unparse(t)} (patches the standard library)"
-                    )
+                    found.append(f"{where}:{node.lineno}: assigns {ast.unparse(t)} (patches the standard library)")
     return found
 
 
@@ -164,12 +151,6 @@ def test_the_scan_catches_each_kind(tmp_path: Path) -> None:
     )
     got = offences(sample, _private_names())
     text = "\n".join(got)
-    for needle in (
-        "import _exit_function",
-        "._register_atexit",
-        "._processes",
-        "'_max_workers'",
-        "assigns forkserver.os",
-    ):
+    for needle in ("import _exit_function", "._register_atexit", "._processes", "'_max_workers'", "assigns forkserver.os"):
         assert needle in text, (needle, text)
     assert ":11:" not in text  # an object's own private attribute is its business

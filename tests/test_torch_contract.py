@@ -88,9 +88,7 @@ def train(DataLoader: Any) -> tuple[Counter[tuple[str, int]], int]:
     errors = 0
 
     # positional arguments, torch's shuffle=None, a worker_init_fn, an error-skipping loop
-    loader = DataLoader(
-        Numbers(40, frozenset({13})), 4, None, None, None, 2, None, False, False, 0, init_worker
-    )
+    loader = DataLoader(Numbers(40, frozenset({13})), 4, None, None, None, 2, None, False, False, 0, init_worker)
     it = iter(loader)
     while True:
         try:
@@ -107,15 +105,11 @@ def train(DataLoader: Any) -> tuple[Counter[tuple[str, int]], int]:
         seen.update(("map", int(v)) for v in y)
 
     # no automatic batching, a sampler of index lists: whole batches from the dataset
-    for batch in DataLoader(
-        Bulk(), batch_size=None, sampler=Chunks(), num_workers=2, worker_init_fn=init_worker
-    ):
+    for batch in DataLoader(Bulk(), batch_size=None, sampler=Chunks(), num_workers=2, worker_init_fn=init_worker):
         seen.update(("bulk", int(v)) for v in batch)
 
     # an IterableDataset split by get_worker_info(), shuffled with torch's default
-    for batch in DataLoader(
-        Stream(23), batch_size=5, shuffle=None, num_workers=2, worker_init_fn=init_worker
-    ):
+    for batch in DataLoader(Stream(23), batch_size=5, shuffle=None, num_workers=2, worker_init_fn=init_worker):
         seen.update(("iterable", int(v)) for v in batch)
     return seen, errors
 
@@ -127,8 +121,7 @@ def test_a_torch_training_loop_runs_unchanged_and_sees_torchs_samples() -> None:
     seen, errors = ours
     assert errors == 1
     assert {i for kind, i in seen if kind == "map"} == {OFFSET + i for i in range(40)} - {
-        OFFSET + i
-        for i in range(12, 16)  # the batch of the corrupt sample
+        OFFSET + i for i in range(12, 16)  # the batch of the corrupt sample
     }
     assert sorted(i for kind, i in seen if kind == "bulk") == [OFFSET + i for i in range(30)]
     assert sorted(i for kind, i in seen if kind == "iterable") == [OFFSET + i for i in range(23)]

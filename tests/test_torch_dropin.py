@@ -104,9 +104,7 @@ def test_shuffle_none_and_drop_last_false_mean_what_they_mean_in_torch(collect) 
     with aioloader.DataLoader(RangeDataset(5), batch_size=2, shuffle=None, drop_last=False) as loader:
         assert ids_of(collect(loader)) == [[0, 1], [2, 3], [4]]
     # torch accepts drop_last=False beside a batch_sampler (only True conflicts with it)
-    with aioloader.DataLoader(
-        RangeDataset(5), batch_sampler=[[4, 0], [2]], shuffle=None, drop_last=False
-    ) as loader:
+    with aioloader.DataLoader(RangeDataset(5), batch_sampler=[[4, 0], [2]], shuffle=None, drop_last=False) as loader:
         assert ids_of(collect(loader)) == [[4, 0], [2]]
     with pytest.raises(ValueError, match="batch_sampler is mutually exclusive with drop_last=True"):
         aioloader.DataLoader(RangeDataset(5), batch_sampler=[[0]], drop_last=True)
@@ -120,11 +118,7 @@ def test_shuffle_none_and_drop_last_false_mean_what_they_mean_in_torch(collect) 
 def test_every_later_batch_arrives_after_a_failed_one(num_workers: int, ordered: bool) -> None:
     # batches 1 and 2 (samples 5 and 9) raise; the loop sees both errors and every other batch
     with aioloader.DataLoader(
-        FailingDataset(24, {5, 9}),
-        4,
-        num_workers=num_workers,
-        prefetch=2,
-        ordered=ordered,
+        FailingDataset(24, {5, 9}), 4, num_workers=num_workers, prefetch=2, ordered=ordered,
         prefetch_next_epoch=False,  # so that nothing is in flight once the epoch ended
     ) as loader:
         got, errors = go_on_after_errors(loader, "for")
@@ -231,9 +225,7 @@ class ChunkSampler:
 
 @pytest.mark.parametrize("num_workers", WORKERS)
 def test_a_sampler_of_keys_without_batching(collect, num_workers: int) -> None:
-    with aioloader.DataLoader(
-        BulkDataset(), batch_size=None, sampler=ChunkSampler(), num_workers=num_workers
-    ) as dl:
+    with aioloader.DataLoader(BulkDataset(), batch_size=None, sampler=ChunkSampler(), num_workers=num_workers) as dl:
         assert len(dl) == 4
         assert [b.tolist() for b in collect(dl)] == [[0, 10, 20], [30, 40, 50], [60, 70, 80], [90]]
     # with batching on, a key must still be an int: the sampler is named

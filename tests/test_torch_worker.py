@@ -142,9 +142,7 @@ def test_no_worker_info_in_thread_mode(collect: Callable[..., list[Any]]) -> Non
     assert all(int(x) == -1 for b in got for x in b["id"])
 
 
-def test_numpy_workers_do_not_import_torch(
-    collect: Callable[..., list[Any]], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_numpy_workers_do_not_import_torch(collect: Callable[..., list[Any]], monkeypatch: pytest.MonkeyPatch) -> None:
     import torch  # noqa: F401 (the consumer has torch; its workers need not)
 
     # Workers that start afresh: one forked from a copy of this process would have torch already.

@@ -287,6 +287,9 @@ class ShardSource:
         except BaseException as exc:
             sh.settle(None, exc)
             return
+        finally:
+            with self._lock:  # the attempts that ended need no telling any more
+                self._talking = {j for j in self._talking if not j.done}
         sh.settle(res.batches, None)
 
     def _end_all(self) -> None:
@@ -303,19 +306,17 @@ class ShardSource:
         handled on the loop, in order. A task that says hello once the source is
         closing is told to end from here at once: the loop may be gone, and a task
         waiting for credit would hold its worker for ever."""
-        with self._lock:
-            closing = self.closing
-            if not closing and type(message) is tuple and message[0] == "hello":
-                self._talking.add(job)
-        if closing:
-            self.pool.tell(job, None)
-            return
+        if type(message) is tuple and message[0] == "hello":
+            with self._lock:
+                closing = self.closing
+                if not closing:
+                    self._talking.add(job)
+            if closing:
+                self.pool.tell(job, None)
+                return
         self.waker.call(self._handle, job, message)
 
     def _handle(self, job: Job, message: Any) -> None:
-        if job.done:
-            with self._lock:
-                self._talking.discard(job)
         sh = next((x for x in self.shards if x.task_id == job.task_id), None)
         if sh is None or sh.ended is not None or self.closing:
             self.pool.tell(job, None)  # a stale attempt, or a run that is over: it ends

@@ -50,7 +50,9 @@ class Job:
         "sent_ns", "seq", "stopped", "submit_ns", "task_id", "waiter", "waker", "worker",
     )  # fmt: skip
 
-    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], task_id: int | None = None) -> None:
+    def __init__(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], task_id: int | None = None
+    ) -> None:
         self.fn = fn
         self.args = args
         self.task_id = task_id

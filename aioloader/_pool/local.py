@@ -234,3 +234,4 @@ def _refused(exc: BaseException) -> PoolBrokenError:
     err = PoolBrokenError(f"the user-supplied executor refused new work: {exc}")
     err.__cause__ = exc
     return err
+

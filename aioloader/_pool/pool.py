@@ -259,12 +259,6 @@ class WorkerPool(cf.Executor):
         assert job.outcome is not None
         return job.outcome.unwrap()
 
-    @property
-    def links(self) -> bool:
-        """Can a running task talk with its consumer here (:meth:`tell`, ``on_part``)?
-        On owned processes and the loader's thread; not on a borrowed executor."""
-        return self.kind != "external"
-
     def tell(self, job: Job, message: Any) -> bool:
         """Send ``message`` to ``job``'s running task (what its link's ``recv`` returns);
         ``False`` if it is not running (not started yet, ended, or its worker died)."""

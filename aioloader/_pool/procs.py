@@ -191,9 +191,7 @@ class Procs:
         try:
             if zygote is not None and not inherited:
                 w.out.append(_channel.frame(payloads))  # the worker's first frame
-                self._requests[
-                    zygote.request(slot, theirs.fileno(), self._table_fd, self._table_size, self.n)
-                ] = slot
+                self._requests[zygote.request(slot, theirs.fileno(), self._table_fd, self._table_size, self.n)] = slot
             else:
                 if self._ctx.get_start_method() != "fork":
                     _byvalue.drop_fake_main_file()
@@ -259,12 +257,7 @@ class Procs:
         best = None
         for k in range(n):
             w = workers[(self._turn + k) % n]
-            if (
-                w is not None
-                and w.code is None
-                and not w.why_killed
-                and (best is None or len(w.sent) < len(best.sent))
-            ):
+            if w is not None and w.code is None and not w.why_killed and (best is None or len(w.sent) < len(best.sent)):
                 best = w
         self._turn += 1
         return best
@@ -297,7 +290,7 @@ class Procs:
     def tell(self, job: Job, message: Any) -> bool:
         """Write ``message`` to the running task of ``job`` (its link's :meth:`recv`).
         ``False`` if the job is not running on a live worker."""
-        parts = _channel.frame_parts(message, PART)
+        parts = _channel.frame_parts(message, PART, beside=False)
         with self._lock:
             w = job.worker
             if job.done or not isinstance(w, _Worker) or not w.sent or w.sent[0] is not job:

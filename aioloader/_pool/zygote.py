@@ -158,9 +158,7 @@ class Zygote:
         passed); the answer comes as a report. Raises ``OSError`` if the zygote is gone."""
         with self.send_lock:
             req = next(self._requests)
-            socket.send_fds(
-                self.sock, [REQUEST.pack(req, slot, table_size, workers, os.getpid())], [channel, table]
-            )
+            socket.send_fds(self.sock, [REQUEST.pack(req, slot, table_size, workers, os.getpid())], [channel, table])
         return req
 
     def reports(self) -> list[tuple[bytes, int, int]]:
@@ -225,9 +223,7 @@ def _serve(sock: socket.socket) -> None:  # pragma: no cover - in the zygote
             _fork_worker(sock, msg, fds, (wake_r, wake_w))
 
 
-def _fork_worker(
-    sock: socket.socket, msg: bytes, fds: list[int], wake: tuple[int, int]
-) -> None:  # pragma: no cover
+def _fork_worker(sock: socket.socket, msg: bytes, fds: list[int], wake: tuple[int, int]) -> None:  # pragma: no cover
     req, slot, table_size, workers, consumer = REQUEST.unpack(msg)
     try:
         pid = os.fork()

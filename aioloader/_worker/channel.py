@@ -139,7 +139,7 @@ def frame_parts(obj: Any, flags: int = 0, beside: bool = True) -> tuple[memoryvi
             return (memoryview(head + data), *views)
         return (memoryview(head), memoryview(data), *views)
     if len(data) <= JOIN_MAX:
-        return (memoryview(HEAD.pack(flags | len(data)) + data),)
+        return (_join(data, flags),)
     return memoryview(HEAD.pack(flags | len(data))), memoryview(data)
 
 
@@ -160,8 +160,8 @@ def loads(body: bytes | bytearray, beside: bool) -> Any:
     return pickle.loads(view[start:end], buffers=buffers)
 
 
-def _join(data: bytes) -> memoryview:
-    return memoryview(HEAD.pack(len(data)) + data)
+def _join(data: bytes, flags: int = 0) -> memoryview:
+    return memoryview(HEAD.pack(flags | len(data)) + data)
 
 
 def read_exact(fd: int, n: int) -> bytes | bytearray | None:

@@ -98,13 +98,7 @@ def find(obj: Any, dumps: Callable[[Any], Any]) -> tuple[list[Step], Any] | None
 
 
 def batch_note(
-    what: str,
-    batch: Any,
-    ids: Sequence[int],
-    id_name: str,
-    where: str,
-    unit: str = "sample",
-    makers: str = "",
+    what: str, batch: Any, ids: Sequence[int], id_name: str, where: str, unit: str = "sample", makers: str = ""
 ) -> str | None:
     """The note for a batch that does not pickle: ``what`` (``batch 3 of epoch 0``), the
     path to the culprit in ``batch`` and the sample it came from. ``ids`` are the
@@ -123,9 +117,7 @@ def batch_note(
             position = int(step.text[1:-1])
             rest = "".join(s.text for s in steps[:k] + steps[k + 1 :])
             field = f", field {unit}{rest}" if rest else ""
-            sample = (
-                f"; it comes from {unit} {position} of the batch ({_named(id_name, ids[position])}){field}"
-            )
+            sample = f"; it comes from {unit} {position} of the batch ({_named(id_name, ids[position])}){field}"
             break
     else:
         if len(ids) == 1:

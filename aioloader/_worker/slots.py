@@ -29,7 +29,6 @@ __all__ = [
     "SharedTable", "Slots", "accepted", "claim", "describe_exit", "holding", "local_starts", "mark", "torch_crash_words",
 ]  # fmt: skip
 
-
 def describe_exit(code: int | None) -> str:
     """An exit code for a message: ``-9, killed by SIGKILL``."""
     if code is None:

@@ -229,10 +229,7 @@ def worker_main(
     watch = None
     try:
         watch = threading.Thread(
-            target=_orphan.exit_when_orphaned,
-            args=(consumer_pid,),
-            name="aioloader-orphan-watch",
-            daemon=True,
+            target=_orphan.exit_when_orphaned, args=(consumer_pid,), name="aioloader-orphan-watch", daemon=True
         )
         watch.start()
         if payloads is None:

@@ -148,7 +148,9 @@ class SpdlLoader:
                 .add_sink(concurrency)
             )
         else:
-            self._pool = ProcessPoolExecutor(workers, initializer=bd.set_worker_dataset, initargs=(dataset,))
+            self._pool = ProcessPoolExecutor(
+                workers, initializer=bd.set_worker_dataset, initargs=(dataset,)
+            )
             builder = (
                 PipelineBuilder()
                 .add_source(_EpochBatches(n, batch_size), continuous=True)

@@ -16,9 +16,7 @@ import time
 from typing import Any
 
 
-def run(
-    cmd: list[str], *, timeout: float, settle: float = 10.0, **kwargs: Any
-) -> subprocess.CompletedProcess[str]:
+def run(cmd: list[str], *, timeout: float, settle: float = 10.0, **kwargs: Any) -> subprocess.CompletedProcess[str]:
     """``subprocess.run(cmd, capture_output=True, text=True)`` in a new session, then
     wait (at most ``settle`` seconds) until every process of that session has exited."""
     with subprocess.Popen(

@@ -156,9 +156,7 @@ def one(workload: str, face: str, epochs: int, samples: int | None = None) -> st
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
-        "checkouts",
-        nargs="*",
-        help="two source trees (A and B), each with aioloader/ in it; with cold, a third may be torch",
+        "checkouts", nargs="*", help="two source trees (A and B), each with aioloader/ in it; with cold, a third may be torch"
     )
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="tiny")
     ap.add_argument("--face", choices=("for", "async-for"), default="for")
@@ -169,11 +167,7 @@ def main() -> None:
     ap.add_argument("--torch", action="store_true", help="with --one and cold: torch's DataLoader")
     args = ap.parse_args()
     if args.one:
-        line = (
-            cold(args.torch)
-            if args.workload == "cold"
-            else one(args.workload, args.face, args.epochs, args.samples)
-        )
+        line = cold(args.torch) if args.workload == "cold" else one(args.workload, args.face, args.epochs, args.samples)
         print(line, flush=True)
         return
     sides = list(args.checkouts)

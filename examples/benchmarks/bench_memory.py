@@ -114,11 +114,7 @@ def run_case(case: str, mib: int, workers: int) -> dict[str, Any]:
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     out = subprocess.run(
         [sys.executable, "-c", CASE_SCRIPT, case, str(mib), str(workers)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
+        env=env, capture_output=True, text=True, timeout=900, check=False,
     )
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
     if out.returncode != 0 or not lines:
@@ -139,21 +135,16 @@ def main() -> None:
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     results = []
-    print(
-        f"{'case':<15} {'array':>8} {'workers':>7} {'total PSS':>10} {'main':>8} {'per worker':>11}"
-        f" {'first batch':>11} {'pickling':>8} {'epoch':>8}"
-    )
+    print(f"{'case':<15} {'array':>8} {'workers':>7} {'total PSS':>10} {'main':>8} {'per worker':>11}"
+          f" {'first batch':>11} {'pickling':>8} {'epoch':>8}")
     for mib in args.mib:
         for case in args.cases:
             r = run_case(case, mib, args.workers)
             results.append(r)
             per = r["worker_pss"][len(r["worker_pss"]) // 2] if r["worker_pss"] else 0
-            print(
-                f"{case:<15} {mib:>5} MiB {r['workers_seen']:>7} {r['total_pss'] / 2**20:>6.0f} MiB"
-                f" {r['main_pss'] / 2**20:>4.0f} MiB {per / 2**20:>7.0f} MiB"
-                f" {r['first_batch_s']:>9.2f} s {_secs(r['payload_s']):>8} {r['epoch_s']:>6.2f} s",
-                flush=True,
-            )
+            print(f"{case:<15} {mib:>5} MiB {r['workers_seen']:>7} {r['total_pss'] / 2**20:>6.0f} MiB"
+                  f" {r['main_pss'] / 2**20:>4.0f} MiB {per / 2**20:>7.0f} MiB"
+                  f" {r['first_batch_s']:>9.2f} s {_secs(r['payload_s']):>8} {r['epoch_s']:>6.2f} s", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

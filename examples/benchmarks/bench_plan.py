@@ -71,15 +71,8 @@ def _first_batch(impl: str, n: int, world: int) -> tuple[Any, Any]:
         from aioloader._plan.sampler import BatchPlanner
 
         planner = BatchPlanner(
-            n,
-            batch_size=BATCH,
-            shuffle=True,
-            sampler=None,
-            batch_sampler=None,
-            last_batch="keep",
-            seed=0,
-            shard=(0, world),
-            shard_policy="pad",
+            n, batch_size=BATCH, shuffle=True, sampler=None, batch_sampler=None,
+            last_batch="keep", seed=0, shard=(0, world), shard_policy="pad",
         )
         plan = planner.plan(0)
         return plan.batches[0], plan.batches
@@ -96,10 +89,8 @@ def _first_batch(impl: str, n: int, world: int) -> tuple[Any, Any]:
     if impl == "torch.randperm":
         perm = torch.randperm(n)
         return perm[:BATCH], perm
-    sampler: Any = (
-        RandomSampler(range(n))
-        if impl == "torch RandomSampler"
-        else DistributedSampler(range(n), num_replicas=world, rank=0, seed=0)
+    sampler: Any = RandomSampler(range(n)) if impl == "torch RandomSampler" else DistributedSampler(
+        range(n), num_replicas=world, rank=0, seed=0
     )
     it = iter(BatchSampler(sampler, BATCH, drop_last=False))
     return next(it), it
@@ -194,16 +185,9 @@ def state_round_trips(n: int, repeat: int = 50) -> list[dict[str, Any]]:
             saved = loader.state_dict()
             saves.append(time.perf_counter() - t)
         assert saved["next_position"] == pos and saved["delivered_after"] == after
-        out.append(
-            {
-                "n": n,
-                "position": pos,
-                "load_us": statistics.median(loads) * 1e6,
-                "load_max_us": max(loads) * 1e6,
-                "save_us": statistics.median(saves) * 1e6,
-                "save_max_us": max(saves) * 1e6,
-            }
-        )
+        out.append({"n": n, "position": pos, "load_us": statistics.median(loads) * 1e6,
+                    "load_max_us": max(loads) * 1e6, "save_us": statistics.median(saves) * 1e6,
+                    "save_max_us": max(saves) * 1e6})
     loader.close()
     return out
 
@@ -221,9 +205,7 @@ def main() -> None:
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     results = []
-    print(
-        f"{'len':>6} {'ranks':>5}  {'implementation':<30} {'plan + 1st batch':>16} {'extra RSS':>10} {'per batch':>10}"
-    )
+    print(f"{'len':>6} {'ranks':>5}  {'implementation':<30} {'plan + 1st batch':>16} {'extra RSS':>10} {'per batch':>10}")
     for power in args.sizes:
         for impl, world in CASES:
             if (args.no_torch and impl.startswith("torch")) or (args.only and args.only not in impl):
@@ -242,10 +224,8 @@ def main() -> None:
     for power in args.sizes:
         for r in state_round_trips(10**power):
             results.append(r)
-            print(
-                f"10**{power:<2} batch {r['position']:>12,}: load_state_dict {r['load_us']:>4.0f} "
-                f"(worst {r['load_max_us']:.0f}), state_dict {r['save_us']:>4.0f} (worst {r['save_max_us']:.0f})"
-            )
+            print(f"10**{power:<2} batch {r['position']:>12,}: load_state_dict {r['load_us']:>4.0f} "
+                  f"(worst {r['load_max_us']:.0f}), state_dict {r['save_us']:>4.0f} (worst {r['save_max_us']:.0f})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"cpu_count": os.cpu_count(), "results": results}, f, indent=1)

@@ -303,9 +303,7 @@ async def compute_bound(workers: int, side: int, seconds: float) -> float:
     loop = asyncio.get_running_loop()
     with cf.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("forkserver")) as pool:
         await asyncio.gather(*(loop.run_in_executor(pool, fn_loop, side, 0.01) for _ in range(workers)))
-        counts = await asyncio.gather(
-            *(loop.run_in_executor(pool, fn_loop, side, seconds) for _ in range(workers))
-        )
+        counts = await asyncio.gather(*(loop.run_in_executor(pool, fn_loop, side, seconds) for _ in range(workers)))
     return sum(counts) / seconds
 
 
@@ -437,7 +435,9 @@ class Stretches:
         }
 
 
-async def overload(workers: int, jpegs: list[bytes], rate: float, seconds: float) -> dict[str, Any]:
+async def overload(
+    workers: int, jpegs: list[bytes], rate: float, seconds: float
+) -> dict[str, Any]:
     """Open-loop arrivals at ``rate`` (in a full run, twice the Batcher's median knee;
     ``--overload-only``: the rate given), each with a budget of 50 ms
     from its scheduled arrival and the default ``max_pending``: the request is submitted
@@ -583,10 +583,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     out["capped"] = {n: rates[-1] in v for n, v in out["best_rate_by_rep"].items()}
     for n, capped in out["capped"].items():
         if capped:
-            print(
-                f"warning: {n} passed the top rate offered ({rates[-1]:.0f} req/s): its knee is higher",
-                flush=True,
-            )
+            print(f"warning: {n} passed the top rate offered ({rates[-1]:.0f} req/s): its knee is higher", flush=True)
     ratios = [
         b / n for b, n in zip(*(out["best_rate_by_rep"][k] for k in ("batcher", "naive")), strict=True) if n
     ]
@@ -628,9 +625,7 @@ def merge_overloads(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "refusals": sum(r["rejected"] for r in runs),
         "over_1ms": sum(r["rejected_over_1ms"] for r in runs),
         "by_cause": {c: sum(d[c] for d in by_cause) for c in by_cause[0]},
-        "max_ms_by_cause": {
-            c: max(d[c] for d in slowest if c in d) for c in by_cause[0] if any(c in d for d in slowest)
-        },
+        "max_ms_by_cause": {c: max(d[c] for d in slowest if c in d) for c in by_cause[0] if any(c in d for d in slowest)},
     }
     return out
 
@@ -649,9 +644,7 @@ def chart(result: dict[str, Any], path: str) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("offered load, requests/s (open loop)")
     ax.set_ylabel("p99 latency, ms (log)")
-    ax.set_title(
-        f"One {result['side']}x{result['side']} JPEG per request, decode + resize, {result['workers']} workers"
-    )
+    ax.set_title(f"One {result['side']}x{result['side']} JPEG per request, decode + resize, {result['workers']} workers")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -85,46 +85,13 @@ PEERS = ("grain", "spdl", "spdl-threads")
 # generators costs on samples this cheap); the epoch-boundary workload also runs
 # it with ``prefetch_next_epoch=False``, to show what the next-epoch prefetch buys.
 WORKLOAD_LOADERS: dict[str, tuple[str, ...]] = {
-    "jpeg": (
-        "aioloader",
-        "aioloader-auto",
-        "torch-numpy",
-        "torch-persistent",
-        "torch",
-        "grain",
-        "spdl",
-        "bound",
-    ),
+    "jpeg": ("aioloader", "aioloader-auto", "torch-numpy", "torch-persistent", "torch", "grain", "spdl", "bound"),
     "tiny": (
-        "aioloader",
-        "aioloader-auto",
-        "aioloader-noseed",
-        "torch-numpy",
-        "torch-persistent",
-        "torch",
-        "grain",
-        "spdl",
-        "bound",
+        "aioloader", "aioloader-auto", "aioloader-noseed", "torch-numpy", "torch-persistent", "torch", "grain", "spdl", "bound",
     ),
-    "boundary": (
-        "aioloader",
-        "aioloader-noprefetch",
-        "torch-numpy",
-        "torch-persistent",
-        "torch",
-        "grain",
-        "spdl",
-    ),
+    "boundary": ("aioloader", "aioloader-noprefetch", "torch-numpy", "torch-persistent", "torch", "grain", "spdl"),
     "dispatch": (
-        "aioloader",
-        "aioloader-auto",
-        "aioloader-p16",
-        "torch-numpy",
-        "torch-persistent",
-        "torch",
-        "grain",
-        "spdl",
-        "bound",
+        "aioloader", "aioloader-auto", "aioloader-p16", "torch-numpy", "torch-persistent", "torch", "grain", "spdl", "bound",
     ),
     "cold": ("aioloader", "aioloader-spawned", "torch-numpy", "torch-persistent", "torch", "grain", "spdl"),
 }
@@ -143,7 +110,7 @@ TICK_LABELS = {
     "aioloader-noseed": "aioloader\nseed_samples\n=False",
     "aioloader-noprefetch": "aioloader\nprefetch_next_\nepoch=False",
     "aioloader-p16": "aioloader\nprefetch=16",
-    "aioloader-auto": 'aioloader\n"auto"',
+    "aioloader-auto": "aioloader\n\"auto\"",
     "aioloader-spawned": "aioloader\nspawned\nforkserver",
 }
 
@@ -519,9 +486,7 @@ def summarize(workload: str, runs: dict[str, list[dict[str, Any]]], batch_size: 
                 1e-6, min(v["first_batch_epoch2plus_ms"] for v in peer_rows.values())
             )
         if peer_rows:
-            ratios["cold_vs_peer_min"] = aio["cold_start_s"] / min(
-                v["cold_start_s"] for v in peer_rows.values()
-            )
+            ratios["cold_vs_peer_min"] = aio["cold_start_s"] / min(v["cold_start_s"] for v in peer_rows.values())
         if "bound" in rows:
             ratios["vs_bound"] = aio["samples_per_s"] / rows["bound"]["samples_per_s"]
         out["ratios"][kind] = ratios
@@ -567,9 +532,7 @@ def fmt_table(name: str, summary: dict[str, Any], unit: str) -> str:
             parts.append(f"{r['vs_bound']:.2f}x the bound")
         if parts:
             notes.append(f"{kind}: " + ", ".join(parts))
-    edges = {
-        k: r["boundary_vs_two_gaps"] for k, r in summary["rows"].items() if r.get("boundary_vs_two_gaps")
-    }
+    edges = {k: r["boundary_vs_two_gaps"] for k, r in summary["rows"].items() if r.get("boundary_vs_two_gaps")}
     if edges:
         notes.append(
             "epoch boundary, the first two waits of epochs 2+ against two steady gaps (median): "
@@ -614,12 +577,7 @@ def fmt_cold(name: str, summary: dict[str, Any]) -> str:
     rows = summary["rows"]
     peers = [row["cold_start_s"] for kind, row in rows.items() if kind in TORCH_LOADERS or kind in PEERS]
     fastest = min(peers) if peers else None
-    lines = [
-        name,
-        "",
-        "| loader | construction to first batch (s) | vs the fastest peer |",
-        "|---|---:|---:|",
-    ]
+    lines = [name, "", "| loader | construction to first batch (s) | vs the fastest peer |", "|---|---:|---:|"]
     for kind, row in rows.items():
         ratio = f"{row['cold_start_s'] / fastest:.2f}x" if fastest else ""
         lines.append(f"| {kind} | {row['cold_start_s']:.3f} | {ratio} |")
@@ -775,17 +733,9 @@ def main(argv: list[str] | None = None) -> int:
     if "jpeg" in workloads:
         specs["jpeg"] = {"workload": "jpeg", "root": str(root), "batch_size": 64, "epochs": jpeg_epochs}
     # Ints, as many as asked for: batches of 256 (loader overhead) and of 1 (dispatch ceiling).
-    for name, samples, batch_size in (
-        ("tiny", args.tiny_samples, 256),
-        ("dispatch", args.dispatch_samples, 1),
-    ):
+    for name, samples, batch_size in (("tiny", args.tiny_samples, 256), ("dispatch", args.dispatch_samples, 1)):
         if name in workloads:
-            specs[name] = {
-                "workload": name,
-                "samples": samples,
-                "batch_size": batch_size,
-                "epochs": tiny_epochs,
-            }
+            specs[name] = {"workload": name, "samples": samples, "batch_size": batch_size, "epochs": tiny_epochs}
     if "cold" in workloads:
         specs["cold"] = {"workload": "cold", "samples": 4096, "batch_size": 64, "epochs": 2}
     if "boundary" in workloads:
@@ -802,9 +752,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # A peer whose package is missing is left out of every workload and named in the tables.
     skipped = {
-        k: pkg
-        for k in {k for w in specs for k in WORKLOAD_LOADERS[w]}
-        if (pkg := _bench_peers.missing_package(k))
+        k: pkg for k in {k for w in specs for k in WORKLOAD_LOADERS[w]} if (pkg := _bench_peers.missing_package(k))
     }
     for kind, pkg in sorted(skipped.items()):
         print(f"{kind}: skipped, {pkg} is not installed (pip install {pkg}, or the bench extra)", flush=True)
@@ -858,11 +806,7 @@ def main(argv: list[str] | None = None) -> int:
         print(fmt_table("## Tiny workload (epochs 2+)", results["workloads"]["tiny"], "batches/s"))
         print()
     if "dispatch" in results["workloads"]:
-        print(
-            fmt_table(
-                "## Dispatch ceiling, batch 1 (epochs 2+)", results["workloads"]["dispatch"], "batches/s"
-            )
-        )
+        print(fmt_table("## Dispatch ceiling, batch 1 (epochs 2+)", results["workloads"]["dispatch"], "batches/s"))
         print()
     for workload in ("jpeg", "tiny", "dispatch"):
         if workload in results["workloads"]:
