@@ -52,7 +52,7 @@ class BatchSeeds:
     (no store at all). The loop calls ``hook(k)`` when it is not ``None`` (``"sample"``
     mode, which seeds the global generators for each sample)."""
 
-    __slots__ = ("epoch", "hook", "indices", "k", "loaded", "rng", "rng_k", "seed")
+    __slots__ = ("batched", "epoch", "hook", "indices", "k", "loaded", "rng", "rng_k", "seed")
 
     def __init__(self, seed: int, epoch: int, indices: Sequence[int]) -> None:
         self.seed, self.epoch, self.indices = seed, epoch, indices
@@ -61,6 +61,9 @@ class BatchSeeds:
         self.hook: Callable[[int], None] | None = None
         self.rng: np.random.Generator | None = None
         self.rng_k = -1  # the position ``rng`` was made for
+        # True while ``dataset.__getitems__`` reads the whole batch: no one sample is
+        # being loaded, so only :func:`sample_rng` with an index can answer.
+        self.batched = False
 
     def position(self) -> int:
         """The position in the batch of the sample being loaded."""
@@ -72,6 +75,7 @@ class _Local(threading.local):
     key: tuple[int, int, int] | None = None  # one sample's (enter_sample)
     rng: np.random.Generator | None = None
     batch: BatchSeeds | None = None  # a batch's (start_batch)
+    by_index: dict[int, np.random.Generator] | None = None  # sample_rng(index)'s, this batch
 
 
 _local = _Local()
@@ -188,6 +192,7 @@ def start_batch(mode: SeedMode, seed: int, epoch: int, raw: Any, indices: Sequen
             gen.manual_seed(key >> 1)
     _local.key = None
     _local.batch = b
+    _local.by_index = None
     return b
 
 
@@ -224,6 +229,7 @@ def enter_sample(seed: int, epoch: int, index: int) -> None:
     _local.batch = None
     _local.key = (seed, epoch, index)
     _local.rng = None
+    _local.by_index = None
 
 
 def clear_sample() -> None:
@@ -231,31 +237,49 @@ def clear_sample() -> None:
     _local.batch = None
     _local.key = None
     _local.rng = None
+    _local.by_index = None
 
 
 def sample_key() -> tuple[int, int, int] | None:
     """``(seed, epoch, index)`` of the sample being loaded in this thread, or ``None``."""
     b = _local.batch
     if b is not None:
-        return (b.seed, b.epoch, int(b.indices[b.position()]))
+        return None if b.batched else (b.seed, b.epoch, int(b.indices[b.position()]))
     return _local.key
 
 
-def sample_rng() -> np.random.Generator:
-    """A ``numpy.random.Generator`` for the sample being loaded.
+def sample_rng(index: int | None = None) -> np.random.Generator:
+    """A ``numpy.random.Generator`` for the sample being loaded, or for ``index``.
 
     Inside a loader it is seeded from ``(seed, epoch, index)``, so the same sample gets
-    the same numbers whatever ``num_workers`` is; repeated calls while loading one sample
-    return the same generator (the stream continues, it does not restart). Outside a
-    loader it is drawn from numpy's global generator, so ``numpy.random.seed`` still
-    makes a script reproducible.
+    the same numbers whatever ``num_workers`` is; repeated calls for one sample return
+    the same generator (the stream continues, it does not restart). Outside a loader it
+    is drawn from numpy's global generator, so ``numpy.random.seed`` still makes a
+    script reproducible.
+
+    A dataset's ``__getitems__`` reads a whole batch in one call, so no single sample
+    is being loaded: there pass the index of each sample, ``sample_rng(i)``. Without
+    an index it raises :class:`RuntimeError`.
     """
     b = _local.batch
+    if index is not None:
+        return _rng_of_index(b, int(index))
     if b is not None:
+        if b.batched:
+            raise RuntimeError(
+                "aioloader.sample_rng() was called while dataset.__getitems__ reads a whole batch: "
+                "no one sample is being loaded. Pass the sample's index, sample_rng(i), or set "
+                'seed_samples="sample" on the loader to read the batch one sample at a time.'
+            )
         k = b.position()
         if b.rng_k == k and b.rng is not None:
             return b.rng
-        b.rng, b.rng_k = _rng_for(b.seed, b.epoch, int(b.indices[k])), k
+        index = int(b.indices[k])
+        made = _local.by_index  # a batched read asked for it by index: its stream goes on
+        b.rng = made.get(index) if made is not None else None
+        if b.rng is None:
+            b.rng = _rng_for(b.seed, b.epoch, index)
+        b.rng_k = k
         return b.rng
     rng = _local.rng
     if rng is not None:
@@ -264,6 +288,28 @@ def sample_rng() -> np.random.Generator:
     if key is None:
         return np.random.default_rng(np.random.randint(0, 2**32, size=4, dtype=np.uint64))
     rng = _local.rng = _rng_for(*key)
+    return rng
+
+
+def _rng_of_index(b: BatchSeeds | None, index: int) -> np.random.Generator:
+    """:func:`sample_rng` for an explicit ``index`` of the batch (or sample) being loaded."""
+    if b is not None:
+        k = b.position()
+        if not b.batched and k < len(b.indices) and int(b.indices[k]) == index:
+            return sample_rng()  # the sample being loaded: one stream, whichever way it is asked
+        seed, epoch = b.seed, b.epoch
+    elif _local.key is not None:
+        seed, epoch, current = _local.key
+        if current == index:
+            return sample_rng()
+    else:
+        return sample_rng()  # outside a loader: drawn from numpy's global generator
+    cache = _local.by_index
+    if cache is None:
+        cache = _local.by_index = {}
+    rng = cache.get(index)
+    if rng is None:
+        rng = cache[index] = _rng_for(seed, epoch, index)
     return rng
 
 

@@ -328,6 +328,7 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
             encode=self._transport.encode,
             seed=self.seed,
             unbatched=self.batch_size is None,
+            reads_batches=self._fetch is None and self.batch_size is not None and _tasks.reads_batches(self.dataset),
         )
 
     def _pickled_parts(self) -> Sequence[tuple[str, object]]:

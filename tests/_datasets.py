@@ -269,3 +269,69 @@ class HeavyDataset(RangeDataset):
     def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
         arr, idx = super().__getitem__(i)
         return arr * self.table[i % len(self.table)], idx
+
+
+class BatchedRange:
+    """Read through ``__getitems__``: sample ``i`` is ``[i, size of the call that read it]``.
+
+    ``__getitem__`` serves only the per-sample fallback (``single=True``); otherwise it
+    raises, so a per-sample read shows as an error. ``bad`` indices raise ``KeyError``
+    from both, the batched read naming no culprit."""
+
+    def __init__(self, n: int, bad: set[int] = frozenset(), single: bool = False) -> None:  # type: ignore[assignment]
+        self.n, self.bad, self.single = n, set(bad), single
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        if i in self.bad:
+            raise KeyError(f"sample {i} is bad")
+        if not self.single:
+            raise AssertionError(f"dataset[{i}] was called: the batch should be read with __getitems__")
+        return np.array([i, 1])
+
+    def __getitems__(self, indices: list[int]) -> list[np.ndarray]:
+        assert type(indices) is list and all(type(i) is int for i in indices), indices
+        if self.bad.intersection(indices):
+            raise KeyError("one sample of this batch is bad")
+        return [np.array([i, len(indices)]) for i in indices]
+
+
+class ShortBatches(BatchedRange):
+    """A ``__getitems__`` that drops the last sample of each batch (a bug to be named)."""
+
+    def __getitems__(self, indices: list[int]) -> list[np.ndarray]:
+        return super().__getitems__(indices)[:-1]
+
+
+class Draws:
+    """Sample ``i``: ``[i, a draw from numpy's global generator, a draw from
+    sample_rng(), 0]``, read one sample at a time."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return np.array([i, np.random.randint(1 << 30), aioloader.sample_rng().integers(1 << 30), 0])
+
+
+class BatchedDraws(Draws):
+    """:class:`Draws` read a batch at a time: the same draws, in the same order, with
+    ``sample_rng(i)``; the last column is 1."""
+
+    def __getitems__(self, indices: list[int]) -> list[np.ndarray]:
+        return [
+            np.array([i, np.random.randint(1 << 30), aioloader.sample_rng(i).integers(1 << 30), 1])
+            for i in indices
+        ]
+
+
+class BatchedNoIndex(Draws):
+    """A ``__getitems__`` that asks ``sample_rng()`` without an index (an error)."""
+
+    def __getitems__(self, indices: list[int]) -> list[np.ndarray]:
+        return [self[i] for i in indices]

@@ -56,6 +56,7 @@ __all__ = [
     "GroupTask",
     "WorkerContext",
     "install_context",
+    "reads_batches",
     "run_batch",
     "run_group",
     "run_task",
@@ -123,7 +124,7 @@ class WorkerContext:
     on_error: Literal["raise", "skip"] = "raise"
     seed_samples: _seeding.SeedMode = "batch"
     encode: Callable[[Any], Any] | None = None
-    fetch_batch: bool = False  # call dataset.__getitems__(indices) when the dataset has it
+    reads_batches: bool = False  # read a batch with one dataset.__getitems__(indices) call
     unbatched: bool = False  # batch_size=None: collate_fn takes the one sample, not a list
     seed: int = 0  # the loader's seed when the payload was made (worker info in worker_init_fn)
     transform: Callable[[Any], Any] | None = None  # applied to each sample before collate_fn
@@ -383,6 +384,58 @@ def run_group(task: GroupTask) -> GroupResult | str:
         _slots.mark(Slots.HOLDING, task.task_id)
 
 
+def reads_batches(dataset: Any) -> bool:
+    """Whether a batch of ``dataset`` is read with one ``__getitems__(indices)`` call, as
+    torch's DataLoader reads it (a list of samples back, one per index).
+
+    torch's ``Subset`` and ``StackDataset`` have a ``__getitems__`` that only loops over
+    ``dataset[i]`` when what they wrap has none. Such a dataset is read sample by
+    sample here: the same samples, with per-sample seeding and error naming."""
+    if not callable(getattr(dataset, "__getitems__", None)):
+        return False
+    data = sys.modules.get("torch.utils.data")
+    if data is None:
+        return True
+    method = getattr(type(dataset), "__getitems__", None)
+    if method is getattr(getattr(data, "Subset", None), "__getitems__", None):
+        return reads_batches(getattr(dataset, "dataset", None))
+    if method is getattr(getattr(data, "StackDataset", None), "__getitems__", None):
+        inner = getattr(dataset, "datasets", ())
+        return any(reads_batches(d) for d in (inner.values() if isinstance(inner, dict) else inner))
+    return True
+
+
+def _brief(indices: Sequence[int]) -> str:
+    shown = ", ".join(map(str, indices[:8]))
+    return f"[{shown}]" if len(indices) <= 8 else f"[{shown}, ...] ({len(indices)} indices)"
+
+
+_FAILED = object()  # a batched read that raised under on_error="skip"
+
+
+def _read_batch(
+    dataset: Any, indices: list[int], seeds: _seeding.BatchSeeds, task: BatchTask, skip: bool
+) -> Any:
+    """One ``dataset.__getitems__(indices)`` call. Under ``skip`` an exception returns
+    :data:`_FAILED`: the caller then reads sample by sample to find the culprit."""
+    seeds.batched = True
+    try:
+        got = dataset.__getitems__(indices)
+    except BaseException as exc:  # SystemExit too: named, then carried home as a value
+        if skip and isinstance(exc, Exception):
+            return _FAILED
+        add_note(exc, f"aioloader: raised by dataset.__getitems__({_brief(indices)}) in {_where(task)}")
+        raise
+    finally:
+        seeds.batched = False
+    if isinstance(got, (list, tuple)) and len(got) != len(indices):
+        raise ValueError(
+            f"aioloader: dataset.__getitems__ returned {len(got)} samples for {len(indices)} indices "
+            f"{_brief(indices)} in {_where(task)}; it must return one sample per index, in order"
+        )
+    return got
+
+
 def _where(task: BatchTask) -> str:
     return f"batch {task.position} of epoch {task.epoch}, {_reply.process_label()}"
 
@@ -421,6 +474,8 @@ def _build(ctx: WorkerContext, task: BatchTask) -> tuple[Any, tuple[tuple[int, s
     samples: list[Any] = []
     skipped: list[tuple[int, str]] = []
     gaps: set[int] = set()  # positions of the skipped samples
+    read = "the fetched sample" if values is not None else ""  # what transform is given
+    batch_in: Any = samples  # what collate_fn gets
     try:
         seed_raw, seed_indices = raw, indices
         if type(raw) is list:  # only a sampler's own keys (batch_size=None) come as a list
@@ -428,7 +483,18 @@ def _build(ctx: WorkerContext, task: BatchTask) -> tuple[Any, tuple[tuple[int, s
         seeds = _seeding.start_batch(ctx.seed_samples, task.seed, task.epoch, seed_raw, seed_indices)
         hook = seeds.hook
         rest: Sequence[int] = indices
-        if hook is None and values is None and transform is None and ctx.on_error != "skip":
+        # "sample" mode seeds the global generators before each sample: one call for the
+        # whole batch cannot honour that, so it reads sample by sample.
+        if ctx.reads_batches and hook is None and values is None:
+            got = _read_batch(dataset, list(indices), seeds, task, ctx.on_error == "skip")
+            if got is _FAILED:  # read again one by one, drawing as if the batched read never ran
+                seeds = _seeding.start_batch(ctx.seed_samples, task.seed, task.epoch, seed_raw, seed_indices)
+            elif transform is None or not isinstance(got, (list, tuple)):
+                batch_in = got  # torch's contract: handed to collate_fn as it is
+                rest = ()
+            else:
+                values, read = got, "the sample dataset.__getitems__ read"
+        elif hook is None and values is None and transform is None and ctx.on_error != "skip":
             _load_plainly(dataset, indices, samples, seeds, task)
             rest = ()  # loaded: the loop below has nothing left to do
         for k, i in enumerate(rest):  # runs for every sample: keep it lean
@@ -448,18 +514,16 @@ def _build(ctx: WorkerContext, task: BatchTask) -> tuple[Any, tuple[tuple[int, s
                     continue
                 what = f"dataset[{i}]"
                 if in_transform:
-                    what = (
-                        "transform(the fetched sample)" if values is not None else f"transform(dataset[{i}])"
-                    )
+                    what = f"transform({read or what})"
                 add_note(exc, f"aioloader: raised by {what} (sample index {i}) in {_where(task)}")
                 raise
             samples.append(sample)
     finally:
         _seeding.clear_sample()
-    if not samples:
+    if batch_in is samples and not samples:
         return None, tuple(skipped)
     try:
-        batch = ctx.collate_fn(samples[0] if ctx.unbatched else samples)
+        batch = ctx.collate_fn(samples[0] if ctx.unbatched else batch_in)
         if ctx.encode is not None:
             batch = ctx.encode(batch)
     except Exception as exc:
