@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ._engine.epochs import WorkerSide
+from ._engine.group import WINDOW_BUDGET, GroupPolicy
 from ._engine.run import Run
 from ._engine.shards import ShardPosition, ShardSource
 from ._engine.units import Delivery, RunConfig
@@ -126,7 +127,14 @@ class IterableDataLoader(DataLoader[Any]):
         # The DataLoader's own validation, on a stand-in map-style dataset of length 0:
         # every other argument means the same here.
         super().__init__(_NoSamples(), batch_size, **kwargs)
-        self._group = self._recorder.group = None  # a shard task sends its batches itself
+        # A shard task sends its batches itself (no grouping); the window still grows
+        # while they are cheap, as a DataLoader's does.
+        self._group = self._recorder.group = None
+        if self._window_grows and self._pool.crosses_processes:
+            self._group = self._recorder.group = GroupPolicy(
+                None, self.prefetch, self._pool.concurrency, grow=True, groups=False
+            )
+            self._transport.allow_growth(self._group.most, WINDOW_BUDGET)
         self.__dict__["dataset"] = dataset  # past the frozen attributes' guard: set once, here
         self.__dict__["last_batch"] = "discard" if discard else "keep"  # drop_last reads it
         self._shards = self._pool.concurrency if self._pool.kind == "process" else 1
@@ -198,7 +206,7 @@ class IterableDataLoader(DataLoader[Any]):
 
     def _run_config(self) -> RunConfig:
         # An exception ends the worker's Python iterator it came from: the epoch ends with it.
-        return self._config(ordered=self.ordered, group=None, fail_fast=True)
+        return self._config(ordered=self.ordered, group=self._group, fail_fast=True)
 
     def _end_shard_pass(self, p: _ShardPass) -> None:
         with self._lock:

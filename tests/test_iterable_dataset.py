@@ -247,6 +247,30 @@ def test_the_window_bounds_the_batches_built(tmp_path: Path) -> None:
         it.close()
 
 
+def test_the_default_window_grows_for_cheap_batches_and_still_bounds_them(tmp_path: Path) -> None:
+    """With the default prefetch the window grows while batches are cheap, as a map-style
+    DataLoader's does, and stays a bound: never more than its largest size (16x its
+    start) built and not taken."""
+    log = tmp_path / "built"
+    log.touch()
+    bs, n = 2, 1200
+
+    def built() -> int:
+        return len(log.read_text().split()) // bs
+
+    with aioloader.DataLoader(ShardedRange(n, log=str(log)), batch_size=bs, num_workers=2) as loader:
+        start, most = loader.prefetch, 16 * loader.prefetch
+        widest = start
+        got = []
+        for taken, batch in enumerate(loader, 1):
+            got.extend(batch[1].tolist())
+            widest = max(widest, loader.stats().window)
+            assert built() - taken <= most
+        assert sorted(got) == list(range(n))
+        assert start < widest <= most
+        assert "grows while batches are cheap" in str(loader.stats())
+
+
 def test_break_and_iterate_again(collect) -> None:
     ds = ShardedRange(30)
     expected = round_robin(30, 2, 2)

@@ -95,6 +95,27 @@ def test_large_replies_travel_whole_through_the_channel() -> None:
     assert got["y"] == batch["y"] and np.array_equal(got["x"], batch["x"])
 
 
+@pytest.mark.torch
+def test_plain_tensors_cross_a_channel_as_numpy_arrays_and_others_as_torch_pickles_them() -> None:
+    torch = pytest.importorskip("torch")
+    a = torch.arange(64)
+    data = _channel.pickled({"x": a, "again": a, "f": torch.ones(2, 3, dtype=torch.float16)})
+    assert b"_rebuild_tensor" not in data and b"_load_from_bytes" not in data  # torch's serializer unused
+    back = pickle.loads(data)
+    assert back["again"] is back["x"]  # one object stays one object
+    assert torch.equal(back["x"], a) and back["x"].dtype == torch.int64
+    assert back["f"].dtype == torch.float16 and back["f"].shape == (2, 3)
+    # A view, a tensor that needs grad, a dtype numpy lacks, a strided layout numpy would
+    # copy: torch's own pickling, which keeps what they are.
+    base = torch.arange(10.0)
+    others = [base[2:5], torch.ones(3, requires_grad=True), torch.ones(3, dtype=torch.bfloat16),
+              torch.ones(2, 3, 4, 5).to(memory_format=torch.channels_last)]  # fmt: skip
+    for t in others:
+        got = pickle.loads(_channel.pickled(t))
+        assert torch.equal(got.detach(), t.detach()) and got.dtype == t.dtype
+        assert got.requires_grad == t.requires_grad and got.stride() == t.stride()
+
+
 def test_fetched_bytes_travel_beside_the_pickle_uncopied() -> None:
     # The frame's buffers after the pickle are the very bytes objects the task holds:
     # the main process never copies a batch of fetched bodies into a pickle.

@@ -64,7 +64,10 @@ class GroupPolicy:
     (:meth:`observe_bytes`; it does not grow before a batch was weighed); it never goes
     below where it started."""
 
-    def __init__(self, fixed: int | None, window: int, workers: int = 1, grow: bool = False) -> None:
+    def __init__(
+        self, fixed: int | None, window: int, workers: int = 1, grow: bool = False, groups: bool = True
+    ) -> None:
+        self.groups = groups  # False: only the window grows (an iterable dataset's batches)
         self.fixed = fixed
         self.base = self.window = max(1, window)
         self.workers = max(1, workers)
@@ -102,6 +105,8 @@ class GroupPolicy:
             self.size = max(1, min(self.limit, want))
 
     def describe(self) -> str:
+        if not self.groups:
+            return ""
         how = f"fixed at {self.fixed}" if self.fixed is not None else "auto"
         per = f", {self.per_batch_ns / 1e6:.3f} ms of worker time per batch" if self.per_batch_ns else ""
         return f"{self.size} per task ({how}, at most {self.limit}{per})"

@@ -87,6 +87,9 @@ class Run:
         self.isolator = IsolateStage(self.dispatcher, cfg.recorder) if cfg.isolate else None
         if cfg.group is not None and self.fetcher is None and self._source_runs is None:
             self.grouper = GroupStage(self.dispatcher, cfg.group)
+        # The policy that may grow the window while batches are cheap: the grouping
+        # policy's, also where units are not grouped (an iterable dataset's batches).
+        self.growth = cfg.group if cfg.group is not None and cfg.group.grow else None
         self.closed = False
         self.ended = False  # the consumer saw the terminal entry
         # Closed from outside the consumer's take() (superseded, the loader closed): what
@@ -114,9 +117,11 @@ class Run:
                 # A group's slots are all reserved before its first unit is taken, so
                 # that its units go out together (without grouping: one at a time).
                 want = 1
-                if self.grouper is not None and not held:
-                    self._resize(self.grouper.policy.window)
-                    want = self.grouper.size
+                if not held:
+                    if self.growth is not None:
+                        self._resize(self.growth.window)
+                    if self.grouper is not None:
+                        want = self.grouper.size
                 while held < want:
                     await self.sem.acquire()
                     held += 1
@@ -262,8 +267,8 @@ class Run:
             if data is not None:
                 if self.cfg.decode is not None:
                     data = self.cfg.decode(data)
-                policy = self.grouper.policy if self.grouper is not None else None
-                if policy is not None and policy.grow:
+                policy = self.growth
+                if policy is not None:
                     # The first delivery is weighed, then one in 4 while the window is
                     # above its start (so a change of size shrinks it soon), else one in 32.
                     if not self.cfg.recorder.batches % (4 if policy.window > policy.base else 32):

@@ -112,6 +112,8 @@ class ShardUnit:
 class _Shard:
     """The consumer's side of one shard: its batches received, who waits, its credit."""
 
+    batches = 0  # a shard task's time is not a batch's: the window's policy learns it per batch
+
     def __init__(self, source: ShardSource, index: int, skip: int) -> None:
         self.source = source
         self.index = index
@@ -227,6 +229,7 @@ class ShardSource:
         self.num_shards = position.num_shards
         self.pool = pool
         self.dispatcher = Dispatcher(pool, recorder, timeout, max_retries, is_closed, alone=True)
+        self.growth = recorder.group  # the window's policy, if it grows
         self.shards = [_Shard(self, s, position.delivered[s]) for s in range(self.num_shards)]
         for s, ended in enumerate(position.ended):
             if ended:
@@ -326,9 +329,11 @@ class ShardSource:
                      f"epoch {self.epoch} in the main process (worker pid {sh.pid})")  # fmt: skip
             sh.settle(None, message)
             self.pool.tell(job, None)
-        elif message[0] == "batch":  # ("batch", j, samples, data)
-            _, j, n, data = message
+        elif message[0] == "batch":  # ("batch", j, samples, data, worker ns)
+            _, j, n, data, ns = message
             sh.arrived(j, n, data)
+            if self.growth is not None:  # what batches cost decides how far the window grows
+                self.growth.observe(1, ns)
         else:  # ("hello", pid)
             sh.hello(job, message[1])
 

@@ -24,6 +24,7 @@ Worker side: this module never imports asyncio.
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import struct
@@ -31,6 +32,8 @@ import threading
 from collections.abc import Callable
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
+
+from . import tensors as _tensors
 
 __all__ = [
     "BESIDE", "HEAD", "JOIN_MAX", "PART", "READ", "SIZE", "Carried", "Link", "current_link", "frame", "frame_parts",
@@ -112,7 +115,14 @@ def pickled(obj: Any, beside: list[memoryview] | None = None) -> bytes:
             return False
 
     try:
-        return pickle.dumps(obj, pickle.HIGHEST_PROTOCOL, buffer_callback=callback)
+        table = _tensors.dispatch_table()
+        if table is None:
+            return pickle.dumps(obj, pickle.HIGHEST_PROTOCOL, buffer_callback=callback)
+        out = io.BytesIO()
+        pickler = pickle.Pickler(out, pickle.HIGHEST_PROTOCOL, buffer_callback=callback)
+        pickler.dispatch_table = table  # tensors as numpy arrays (see aioloader._worker.tensors)
+        pickler.dump(obj)
+        return out.getvalue()
     except Exception:
         if beside is not None:
             beside.clear()  # all in the pickle: this pickler takes no buffer callback

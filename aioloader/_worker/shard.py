@@ -30,6 +30,7 @@ import functools
 import itertools
 import os
 import pickle
+import time
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -129,6 +130,7 @@ def _build(link: Any, ctx: _tasks.WorkerContext, task: ShardTask) -> tuple[int]:
                 if got is None:  # the consumer ended the link: the run is over
                     return (n,)
                 limit = got
+            start = time.monotonic_ns()
             samples = next(batches, None)
             if samples is None:
                 break
@@ -146,7 +148,7 @@ def _build(link: Any, ctx: _tasks.WorkerContext, task: ShardTask) -> tuple[int]:
                 add_note(exc, f"aioloader: raised by collate_fn in {_where(task, j)}{named}")
                 raise
             try:
-                link.send(("batch", j, len(samples), batch))
+                link.send(("batch", j, len(samples), batch, time.monotonic_ns() - start))
             except (TypeError, AttributeError, pickle.PicklingError) as exc:  # what pickling raises
                 _unpicklable.shard(exc, task, j, (1 if ctx.unbatched else ctx.batch_size) * j, samples, batch)
                 raise
