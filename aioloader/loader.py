@@ -65,7 +65,8 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
         dataset: any object with ``__len__`` and ``__getitem__(int)`` (a torch ``Dataset``
             works), or a torch ``IterableDataset``, which each worker iterates as in torch
             (see :doc:`migrating-from-torch`). With workers it must pickle; it is sent to
-            each worker once.
+            each worker once. A ``__getitems__(indices)`` method reads a whole batch in
+            one call, as in torch (not with ``seed_samples="sample"``).
         batch_size: samples per batch. ``None``: no automatic batching, as in torch: each
             sample is a batch of its own, given alone (not in a list) to ``collate_fn``,
             whose default is then :func:`~aioloader.default_convert`. Excludes
