@@ -121,6 +121,8 @@ class _Shard:
         self.received = skip  # every batch below this has arrived (or was delivered before)
         self.waiters: dict[int, asyncio.Future[Any]] = {}
         self.granted = skip
+        self.told = skip  # the credit the current attempt was told
+        self.telling = False  # a tell is due at the end of this turn of the loop
         self.ended: int | None = None  # how many batches the shard had, once known
         self.failure: BaseException | None = None
         self.task_id = 0  # the current attempt's
@@ -155,15 +157,25 @@ class _Shard:
         if self.granted > self.received:
             self.owing_since = time.monotonic_ns()
         self.source.pool.tell(job, self.granted)
+        self.told = self.granted
 
     def grant(self, limit: int) -> None:
+        """Credit the shard for the batches below ``limit``. The grants of one turn of
+        the loop go to the worker as one message, at the end of that turn."""
         if limit <= self.granted:
             return
         if self.granted <= self.received and self.job is not None:
             self.owing_since = time.monotonic_ns()
         self.granted = limit
-        if self.job is not None:
-            self.source.pool.tell(self.job, limit)
+        if self.job is not None and not self.telling:
+            self.telling = True
+            asyncio.get_running_loop().call_soon(self._tell)
+
+    def _tell(self) -> None:
+        self.telling = False
+        if self.job is not None and self.granted > self.told:
+            self.source.pool.tell(self.job, self.granted)
+            self.told = self.granted
 
     def arrived(self, j: int, n: int, data: Any) -> None:
         if j < self.received or j in self.frames:
@@ -230,6 +242,7 @@ class ShardSource:
         self.pool = pool
         self.dispatcher = Dispatcher(pool, recorder, timeout, max_retries, is_closed, alone=True)
         self.growth = recorder.group  # the window's policy, if it grows
+        self._costs = self._cost_ns = 0  # batches' worker time not yet told to it
         self.shards = [_Shard(self, s, position.delivered[s]) for s in range(self.num_shards)]
         for s, ended in enumerate(position.ended):
             if ended:
@@ -333,7 +346,11 @@ class ShardSource:
             _, j, n, data, ns = message
             sh.arrived(j, n, data)
             if self.growth is not None:  # what batches cost decides how far the window grows
-                self.growth.observe(1, ns)
+                self._cost_ns += ns
+                self._costs += 1
+                if self._costs == 8:
+                    self.growth.observe(self._costs, self._cost_ns)
+                    self._costs = self._cost_ns = 0
         else:  # ("hello", pid)
             sh.hello(job, message[1])
 
