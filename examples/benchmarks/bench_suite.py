@@ -38,6 +38,20 @@ Workloads:
    ``AIOLOADER_FORKSERVER=spawn`` (``aioloader-spawned``: the forkserver multiprocessing
    spawns, which imports the dataset's modules again).
 
+Three more run only when named in ``--workloads`` (or with ``--workloads all``), each
+beside ``torch-numpy``:
+
+6. ``iterable``: a torch ``IterableDataset`` of 100,000 ints that each worker splits with
+   ``get_worker_info()``, batch 64 -> batches/s (4 epochs; quick: 3);
+7. ``hfmap``: a HuggingFace ``datasets.Dataset.from_dict`` of 20,000 rows in numpy format,
+   shuffled, batch 32 -> batches/s (4 epochs; quick: 3). torch reads each batch with one
+   ``__getitems__`` call;
+8. ``hfstream``: ``datasets.load_dataset("parquet", streaming=True)`` over 4 local parquet
+   shards of 4,000 rows in all, batch 32 -> seconds from the loader's construction to the
+   end of its first and only epoch (worker start included). The shards are written once,
+   beside the JPEGs. ``hfmap`` and ``hfstream`` need ``pip install datasets`` (the dev
+   extra has it).
+
 On ``jpeg``, ``tiny`` and ``dispatch``, ``aioloader-auto`` is aioloader with
 ``num_workers="auto", prefetch="auto"`` (2 workers on a 2-core machine; the window grows
 while batches are cheap).
@@ -55,6 +69,7 @@ half as long again)::
     python examples/benchmarks/bench_suite.py --quick           # fewer epochs and repetitions
     python examples/benchmarks/bench_suite.py --json performance.json --png docs/performance.png
     python examples/benchmarks/bench_suite.py --redraw performance.json --png docs/performance.png
+    python examples/benchmarks/bench_suite.py --workloads iterable,hfmap,hfstream --reps 3
 """
 
 from __future__ import annotations
@@ -94,7 +109,15 @@ WORKLOAD_LOADERS: dict[str, tuple[str, ...]] = {
         "aioloader", "aioloader-auto", "aioloader-p16", "torch-numpy", "torch-persistent", "torch", "grain", "spdl", "bound",
     ),
     "cold": ("aioloader", "aioloader-spawned", "torch-numpy", "torch-persistent", "torch", "grain", "spdl"),
+    "iterable": ("aioloader", "torch-numpy"),
+    "hfmap": ("aioloader", "torch-numpy"),
+    "hfstream": ("aioloader", "torch-numpy"),
 }
+# What runs without --workloads; the others are named there (or run with "all").
+DEFAULT_WORKLOADS = ("jpeg", "tiny", "boundary", "dispatch", "cold")
+# Workloads over an iterable dataset: no shuffle (the dataset sets its own order).
+ITERABLE_WORKLOADS = ("iterable", "hfstream")
+HF_WORKLOADS = ("hfmap", "hfstream")
 LOADER_KWARGS: dict[str, dict[str, Any]] = {
     "aioloader-noseed": {"seed_samples": False},
     "aioloader-noprefetch": {"prefetch_next_epoch": False},
@@ -184,12 +207,26 @@ def _make_dataset(spec: dict[str, Any]) -> Any:
         # here, before every loader's clock starts.
         gc.collect()
         return _bench_torch_dataset.TorchModuleInts(spec["samples"])
+    if spec["workload"] == "iterable":
+        import _bench_torch_dataset
+
+        return _bench_torch_dataset.ShardedInts(spec["samples"])
+    if spec["workload"] == "hfmap":
+        import _bench_hf
+
+        return _bench_hf.hf_map_dataset(spec["samples"])
+    if spec["workload"] == "hfstream":
+        import _bench_hf
+
+        return _bench_hf.hf_stream_dataset(spec["files"])
     return bd.IntDataset(spec["samples"])
 
 
 def _count(batch: Any) -> int:
     if isinstance(batch, (tuple, list)):
         return len(batch[1])
+    if isinstance(batch, dict):  # a HuggingFace batch: columns of one length
+        return len(next(iter(batch.values())))
     return len(batch)
 
 
@@ -206,6 +243,7 @@ def _run_loader(spec: dict[str, Any]) -> dict[str, Any]:
     """One loader, ``epochs`` epochs back to back, as a training loop would run them."""
     kind = spec["loader"]
     dataset = _make_dataset(spec)
+    shuffle = spec["workload"] not in ITERABLE_WORKLOADS
     if kind in TORCH_LOADERS:
         import torch.utils.data as tud
 
@@ -214,7 +252,7 @@ def _run_loader(spec: dict[str, Any]) -> dict[str, Any]:
         loader: Any = tud.DataLoader(
             dataset,
             batch_size=spec["batch_size"],
-            shuffle=True,
+            shuffle=shuffle,
             num_workers=WORKERS,
             persistent_workers=kind != "torch",
             **_torch_collate(kind),
@@ -231,7 +269,7 @@ def _run_loader(spec: dict[str, Any]) -> dict[str, Any]:
         rss_base = _rss_now_mb()
         t_make = time.perf_counter()
         kwargs: dict[str, Any] = {"num_workers": WORKERS, **LOADER_KWARGS.get(kind, {})}
-        loader = aioloader.DataLoader(dataset, spec["batch_size"], shuffle=True, seed=0, **kwargs)
+        loader = aioloader.DataLoader(dataset, spec["batch_size"], shuffle=shuffle, seed=0, **kwargs)
     step_s = spec.get("step_ms", 0) / 1000.0
     epochs = []
     threads_before: dict[int, float] = {}
@@ -245,6 +283,7 @@ def _run_loader(spec: dict[str, Any]) -> dict[str, Any]:
         first = None
         second = None  # the wait for the epoch's second batch
         samples = 0
+        batches = 0
         wait = 0.0  # time spent waiting for batches after the first
         it = iter(loader)
         while True:
@@ -261,6 +300,7 @@ def _run_loader(spec: dict[str, Any]) -> dict[str, Any]:
                     second = w1 - w0
                 wait += w1 - w0
             samples += _count(batch)
+            batches += 1
             del batch
             if step_s:
                 time.sleep(step_s)  # a training step that leaves the CPUs to the workers
@@ -272,10 +312,12 @@ def _run_loader(spec: dict[str, Any]) -> dict[str, Any]:
                 "second_batch_wait_s": second,
                 "wait_after_first_s": wait,
                 "samples": samples,
+                "batches": batches,
             }
         )
         if len(epochs) == 1:
             epochs[0]["cold_start_s"] = t0 - t_make + (first or 0.0)
+            epochs[0]["epoch_with_start_s"] = t0 - t_make + epochs[0]["wall_s"]
     cpu_threads = _cpu_by_thread(threads_before, _thread_cpu(), {**names, **_thread_names()})
     own_stats = None
     if kind.startswith("aioloader"):
@@ -347,6 +389,15 @@ def require_torch() -> None:
         )
 
 
+def require_datasets() -> None:
+    """The HuggingFace workloads need ``datasets``; say how to get it."""
+    if importlib.util.find_spec("datasets") is None:
+        sys.exit(
+            "datasets is not installed, and the hfmap and hfstream workloads read HuggingFace datasets. "
+            'Install it (pip install datasets, or pip install -e ".[dev]") and rerun.'
+        )
+
+
 def run_child(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)]
     env = {**os.environ, **LOADER_ENV.get(spec["loader"], {})}
@@ -397,7 +448,9 @@ def summarize(workload: str, runs: dict[str, list[dict[str, Any]]], batch_size: 
             steady = r["epochs"][1:] or r["epochs"]
             wall = sum(e["wall_s"] for e in steady)
             samples = sum(e["samples"] for e in steady)
-            batches = sum(-(-e["samples"] // batch_size) for e in steady)
+            # Counted where the run counted them: an iterable dataset's workers each end
+            # with a short batch, more than the samples over the batch size.
+            batches = sum(e.get("batches", -(-e["samples"] // batch_size)) for e in steady)
             rates.append(samples / wall)
             bps.append(batches / wall)
             cpu.append(sum(e["cpu_s"] for e in steady))
@@ -429,6 +482,7 @@ def summarize(workload: str, runs: dict[str, list[dict[str, Any]]], batch_size: 
                 [sum(e["wall_s"] for e in r["epochs"][1:]) / max(1, len(r["epochs"]) - 1) for r in reps]
             ),
             "cold_start_s": _median(cold),
+            "epoch_with_start_s": _median([r["epochs"][0].get("epoch_with_start_s") for r in reps]),
             "peak_rss_mb": _median(rss),
             "rss_before_loader_mb": _median(rss_base),
             "reps": len(reps),
@@ -474,9 +528,10 @@ def summarize(workload: str, runs: dict[str, list[dict[str, Any]]], batch_size: 
             ratios["vs_torch_best"] = aio["samples_per_s"] / best["samples_per_s"]
             ratios["cpu_vs_torch_best"] = aio["main_cpu_s"] / best["main_cpu_s"]
             ratios["cpu_vs_torch_min"] = aio["main_cpu_s"] / min(v["main_cpu_s"] for v in torch_rows.values())
-            ratios["first_batch_vs_torch_best"] = (
-                aio["first_batch_epoch2plus_ms"] / best["first_batch_epoch2plus_ms"]
-            )
+            if best["first_batch_epoch2plus_ms"]:  # none where a run has one epoch
+                ratios["first_batch_vs_torch_best"] = (
+                    aio["first_batch_epoch2plus_ms"] / best["first_batch_epoch2plus_ms"]
+                )
         if peer_rows:
             best = peer_rows[out["peer_best"]]
             ratios["vs_peer_best"] = aio["samples_per_s"] / best["samples_per_s"]
@@ -585,6 +640,24 @@ def fmt_cold(name: str, summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def fmt_epoch_with_start(name: str, summary: dict[str, Any]) -> str:
+    """A fresh process's one epoch, from the loader's construction to its last batch."""
+    rows = summary["rows"]
+    peers = [row["epoch_with_start_s"] for kind, row in rows.items() if kind in TORCH_LOADERS or kind in PEERS]
+    fastest = min(peers) if peers else None
+    lines = [
+        name,
+        "",
+        "| loader | construction to the epoch's end (s) | of which to the first batch (s) | vs the fastest peer |",
+        "|---|---:|---:|---:|",
+    ]
+    for kind, row in rows.items():
+        ratio = f"{row['epoch_with_start_s'] / fastest:.2f}x" if fastest else ""
+        lines.append(f"| {kind} | {row['epoch_with_start_s']:.3f} | {row['cold_start_s']:.3f} | {ratio} |")
+    lines.extend(_skipped_rows(summary, 2))
+    return "\n".join(lines)
+
+
 def draw_png(results: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -629,7 +702,12 @@ def draw_png(results: dict[str, Any], path: Path) -> None:
                 False,
             )
         )
-    for name, title in (("tiny", "Tiny workload: batches/s"), ("dispatch", "Dispatch ceiling: batches/s")):
+    for name, title in (
+        ("tiny", "Tiny workload: batches/s"),
+        ("dispatch", "Dispatch ceiling: batches/s"),
+        ("iterable", "Iterable dataset: batches/s"),
+        ("hfmap", "HF datasets, map-style: batches/s"),
+    ):
         if name in wl:
             rows = wl[name]["rows"]
             panels.append((title, {k: v["batches_per_s"] for k, v in rows.items() if k != "bound"}, False))
@@ -640,6 +718,15 @@ def draw_png(results: dict[str, Any], path: Path) -> None:
                 "Cold start, dataset module imports torch:\nconstruction to first batch, s (log)",
                 {k: v["cold_start_s"] for k, v in rows.items()},
                 True,
+            )
+        )
+    if "hfstream" in wl:
+        rows = wl["hfstream"]["rows"]
+        panels.append(
+            (
+                "HF streaming, one epoch\nincluding start, s (lower is better)",
+                {k: v["epoch_with_start_s"] for k, v in rows.items()},
+                False,
             )
         )
     if not panels:
@@ -680,14 +767,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer repetitions and epochs (about 5 min)")
     parser.add_argument(
         "--workloads",
-        default="jpeg,tiny,boundary,dispatch,cold",
-        help="comma-separated: jpeg, tiny, boundary, dispatch, cold",
+        default=",".join(DEFAULT_WORKLOADS),
+        help=f"comma-separated, or all: {', '.join(WORKLOAD_LOADERS)} (default {','.join(DEFAULT_WORKLOADS)})",
     )
     parser.add_argument("--reps", type=int, default=None, help="repetitions per loader (default 3; quick 2)")
     parser.add_argument("--epochs", type=int, default=None, help="JPEG epochs per run (default 5; quick 3)")
     parser.add_argument("--images", type=int, default=2048, help="synthetic JPEGs")
     parser.add_argument("--tiny-samples", type=int, default=200_000)
     parser.add_argument("--dispatch-samples", type=int, default=4_000)
+    parser.add_argument("--iterable-samples", type=int, default=100_000)
+    parser.add_argument("--hfmap-rows", type=int, default=20_000)
+    parser.add_argument("--hfstream-rows", type=int, default=4_000)
     parser.add_argument(
         "--boundary-images", type=int, default=512, help="images per epoch in the epoch-boundary runs"
     )
@@ -724,6 +814,13 @@ def main(argv: list[str] | None = None) -> int:
     jpeg_epochs = args.epochs or (3 if args.quick else 5)
     tiny_epochs = 3 if args.quick else 4
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    if workloads == ["all"]:
+        workloads = list(WORKLOAD_LOADERS)
+    unknown = [w for w in workloads if w not in WORKLOAD_LOADERS]
+    if unknown:
+        parser.error(f"unknown workloads {unknown}: choose from {', '.join(WORKLOAD_LOADERS)}, or all")
+    if any(w in HF_WORKLOADS for w in workloads):
+        require_datasets()
     specs: dict[str, dict[str, Any]] = {}
     root = (args.cache or default_cache()) / f"bench-jpegs-{args.images}"
     if "jpeg" in workloads or "boundary" in workloads:
@@ -738,6 +835,18 @@ def main(argv: list[str] | None = None) -> int:
             specs[name] = {"workload": name, "samples": samples, "batch_size": batch_size, "epochs": tiny_epochs}
     if "cold" in workloads:
         specs["cold"] = {"workload": "cold", "samples": 4096, "batch_size": 64, "epochs": 2}
+    if "iterable" in workloads:
+        specs["iterable"] = {
+            "workload": "iterable", "samples": args.iterable_samples, "batch_size": 64, "epochs": tiny_epochs,
+        }  # fmt: skip
+    if "hfmap" in workloads:
+        specs["hfmap"] = {"workload": "hfmap", "samples": args.hfmap_rows, "batch_size": 32, "epochs": tiny_epochs}
+    if "hfstream" in workloads:
+        import _bench_hf
+
+        shards_dir = (args.cache or default_cache()) / f"bench-hf-parquet-{args.hfstream_rows}"
+        files = _bench_hf.write_parquet_shards(shards_dir, args.hfstream_rows, 4)
+        specs["hfstream"] = {"workload": "hfstream", "files": files, "batch_size": 32, "epochs": 1}
     if "boundary" in workloads:
         specs["boundary"] = {
             "workload": "boundary",
@@ -785,7 +894,7 @@ def main(argv: list[str] | None = None) -> int:
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
             "torch": torch.__version__,
-            **{pkg: _version(pkg) for pkg in ("grain", "spdl")},
+            **{pkg: _version(pkg) for pkg in ("grain", "spdl", "datasets")},
             "platform": platform.platform(),
         },
         "config": {"workers": WORKERS, "reps": reps, "specs": specs},
@@ -817,6 +926,19 @@ def main(argv: list[str] | None = None) -> int:
         print()
     if "cold" in results["workloads"]:
         print(fmt_cold("## Cold start, a dataset module that imports torch", results["workloads"]["cold"]))
+        print()
+    for workload, title in (
+        ("iterable", "## Iterable dataset, batch 64 (epochs 2+)"),
+        ("hfmap", "## HF datasets, map-style, batch 32 (epochs 2+)"),
+    ):
+        if workload in results["workloads"]:
+            print(fmt_table(title, results["workloads"][workload], "batches/s"))
+            print()
+            print(fmt_threads(f"## Main-process CPU by thread, {workload}", results["workloads"][workload]))
+            print()
+    if "hfstream" in results["workloads"]:
+        print(fmt_epoch_with_start("## HF streaming, 4 parquet shards: one epoch, start included",
+                                   results["workloads"]["hfstream"]))  # fmt: skip
         print()
     print(f"total {time.perf_counter() - started:.0f} s")
     if args.json:
