@@ -182,6 +182,8 @@ def _collate(samples: Sequence[Any], path: str, stack: Stacker, as_torch: bool =
     elem = samples[0]
     if isinstance(elem, np.ndarray):
         return _stack_arrays(samples, path, stack, as_torch)
+    if isinstance(elem, (str, bytes)):  # numpy's str_ and bytes_ too, as torch: a list
+        return list(samples)
     if isinstance(elem, (bool, np.bool_)) or isinstance(elem, (numbers.Number, np.generic)):
         # Samples of one type need no per-sample ABC check (set(map(type)) runs in C).
         if len(set(map(type, samples))) != 1 and not all(
@@ -189,7 +191,7 @@ def _collate(samples: Sequence[Any], path: str, stack: Stacker, as_torch: bool =
         ):
             raise _mismatch(samples, "types", path, type)
         return _numbers(samples, as_torch)
-    if isinstance(elem, (str, bytes)) or elem is None:
+    if elem is None:
         return list(samples)
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(elem, torch.Tensor):

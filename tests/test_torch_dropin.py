@@ -277,3 +277,14 @@ def test_nested_tensors_are_refused_in_torchs_words() -> None:
         nt = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
     with pytest.raises(aioloader.CollateError, match="not currently supported by the default collate_fn"):
         aioloader.default_collate([nt, nt])
+
+
+@pytest.mark.torch
+def test_numpy_strings_collate_to_a_list_as_in_torch() -> None:
+    # HF datasets in numpy format give text as np.str_: torch keeps such samples a list.
+    import numpy as np
+    import torch
+
+    for samples in ([np.str_("a"), np.str_("bc")], [np.bytes_(b"x"), np.bytes_(b"yz")], ["a", "bc"]):
+        got = aioloader.default_collate(samples)
+        assert got == torch.utils.data.default_collate(samples) == samples and type(got) is list
