@@ -78,6 +78,13 @@ def sync_face():
         return report(loader, batches)
 
 if __name__ == "__main__":
+    if "pyarrow" in sys.argv[2]:
+        import pyarrow  # starts jemalloc's background thread
+    if "tqdm" in sys.argv[2]:
+        import tqdm
+        # An open bar: its monitor thread runs (datasets.load_dataset leaves one so).
+        bar = tqdm.tqdm(total=3, file=open(os.devnull, "w"))
+        assert tqdm.tqdm.monitor.is_alive()
     if sys.argv[2] == "threaded":
         stop = threading.Event()
         helper = threading.Thread(target=stop.wait)
@@ -86,6 +93,12 @@ if __name__ == "__main__":
     if sys.argv[2] == "threaded":
         stop.set()
         helper.join()
+    if "tqdm" in sys.argv[2]:
+        bar.update(3)
+        again = tqdm.tqdm(total=1, file=open(os.devnull, "w"))  # the next bar has a monitor again
+        out["monitor_again"] = tqdm.tqdm.monitor is not None and tqdm.tqdm.monitor.is_alive()
+        again.close()
+        bar.close()
     print(json.dumps(out))
 '''
 
@@ -125,6 +138,24 @@ def test_workers_start_from_a_copy_of_the_consumer_and_import_nothing_again(tmp_
     # The forkserver goes with its consumer.
     wait_until(lambda: not os.path.exists(f"/proc/{out['server']}") or _is_zombie(out["server"]), 30.0,
                "the forked forkserver to exit with its consumer")
+
+
+@pytest.mark.parametrize("mode", ["tqdm", "tqdm+pyarrow"])
+def test_a_consumer_whose_only_threads_are_tqdms_monitor_and_jemallocs_still_forks(
+    tmp_path: Path, mode: str
+) -> None:
+    """tqdm's monitor is stopped before the fork (the next bar starts a new one), and
+    jemalloc's background thread prepares itself for fork: the zygote is forked, and
+    nothing is imported again."""
+    if "pyarrow" in mode:
+        pytest.importorskip("pyarrow")
+    pytest.importorskip("tqdm")
+    out, importers, stdout = _consume(tmp_path, "for", mode)
+    assert out["batches"] == EXPECTED
+    assert out["server_comm"] == "aioloader-zyg"
+    assert importers == [out["consumer"]]
+    assert stdout.count("before the loader") == 1
+    assert out["monitor_again"]
 
 
 @pytest.mark.parametrize(

@@ -3,11 +3,8 @@ shards, read from parquet files the test writes, through ``for`` and ``async for
 with 0 and 2 workers, and resumed mid-epoch.
 
 Nothing reaches the hub: the offline switches are on and every cache is in ``tmp_path``.
-
-``datasets`` is imported by the first test that runs, not at collection. Importing it
-imports pyarrow, which starts a native thread (jemalloc's). After that, aioloader forks
-no new zygote in this process, so importing it at collection would move every test of
-the session onto spawned workers."""
+``datasets`` is imported by the first test that runs, not at collection (pyarrow and
+pandas cost a second)."""
 
 from __future__ import annotations
 
@@ -44,13 +41,8 @@ BATCH = 8  # 50 rows: six full batches and one of two
 
 @pytest.fixture(scope="module")
 def hf() -> Any:
-    """The ``datasets`` package. Before importing it, a throwaway loader lets the pool
-    fork its zygote while it still can; closed pools hand it on to the next. torch is
-    imported first, so that the zygote's children need not import it."""
-    if importlib.util.find_spec("torch") is not None:
-        import torch  # noqa: F401
-    with aioloader.DataLoader(RangeDataset(2), 1, num_workers=1) as warm:
-        list(warm)
+    """The ``datasets`` package. Importing it starts jemalloc's background thread
+    (pyarrow's), which does not keep the pool from forking its zygote."""
     import datasets
 
     return datasets

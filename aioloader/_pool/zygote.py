@@ -57,26 +57,66 @@ _zygote: Zygote | None = None  # the newest one taken (what server_pid names)
 _free: Zygote | None = None  # one a closed pool gave back, for the next pool to take
 
 
+# Native threads that prepare themselves for fork, by name: jemalloc's background
+# thread (pyarrow starts one as it is imported; jemalloc's fork handlers stop it).
+_FORK_READY = frozenset({"jemalloc_bg_thd"})
+
+
 def _native_threads() -> int | None:
+    """The threads of this process, but those in :data:`_FORK_READY`."""
     try:
-        return len(os.listdir("/proc/self/task"))
+        tids = os.listdir("/proc/self/task")
     except OSError:
         return None
+    count = 0
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().strip() in _FORK_READY:
+                    continue
+        except OSError:
+            pass  # it ended
+        count += 1
+    return count
 
 
 _NATIVE_AT_IMPORT = _native_threads() if threading.active_count() == 1 else None
 
 
+def _is_tqdm_monitor(t: threading.Thread) -> bool:
+    kind = type(t)
+    return kind.__name__ == "TMonitor" and kind.__module__.startswith("tqdm") and callable(getattr(t, "exit", None))
+
+
+def _others() -> list[threading.Thread] | None:
+    """The Python threads but this one, if each is one that can be stopped before a fork
+    and is restarted when needed: tqdm's monitor (every tqdm bar starts one, and it never
+    ends: ``datasets.load_dataset`` leaves one behind); else ``None``."""
+    others = [t for t in threading.enumerate() if t is not threading.current_thread()]
+    return others if all(_is_tqdm_monitor(t) for t in others) else None
+
+
 def usable() -> bool:
-    """Can this process fork a zygote now? Linux, one Python thread, and no native
-    thread but those there when aioloader was imported (numpy's OpenBLAS pool, which
-    prepares itself for fork); not turned off by :data:`ENV`."""
+    """Can this process fork a zygote now? Linux; one Python thread, or only tqdm's
+    monitor besides (:func:`fork_for_pool` stops it first; the next tqdm bar starts a
+    new one); no native thread but those there when aioloader was imported (numpy's
+    OpenBLAS pool, which prepares itself for fork) and jemalloc's; not turned off by
+    :data:`ENV`."""
     if os.environ.get(ENV, "").lower() == "spawn" or not sys.platform.startswith("linux"):
         return False
-    if not hasattr(socket, "send_fds") or threading.active_count() != 1:
+    others = _others()
+    if not hasattr(socket, "send_fds") or others is None:
         return False
     native = _native_threads()
-    return native is not None and native <= max(1, _NATIVE_AT_IMPORT or 1)
+    return native is not None and native <= max(1, _NATIVE_AT_IMPORT or 1) + len(others)
+
+
+def _stop_monitors() -> bool:
+    """Stop tqdm's monitor threads (see :func:`_others`); whether this thread is then
+    the only one."""
+    for t in _others() or ():
+        t.exit()  # type: ignore[attr-defined]  # sets its event and joins it
+    return threading.active_count() == 1
 
 
 def server_pid() -> int | None:
@@ -99,7 +139,7 @@ def fork_for_pool() -> Zygote | None:
             z = None
         if z is not None:
             z.reports()  # what its last pool left unread
-        elif usable():
+        elif usable() and _stop_monitors() and usable():
             with contextlib.suppress(OSError):
                 z = Zygote.fork()
         if z is not None and not z.dead:
