@@ -109,9 +109,11 @@ WORKLOAD_LOADERS: dict[str, tuple[str, ...]] = {
         "aioloader", "aioloader-auto", "aioloader-p16", "torch-numpy", "torch-persistent", "torch", "grain", "spdl", "bound",
     ),
     "cold": ("aioloader", "aioloader-spawned", "torch-numpy", "torch-persistent", "torch", "grain", "spdl"),
-    "iterable": ("aioloader", "torch-numpy"),
+    # A torch IterableDataset gives aioloader tensors (torch mode): torch-persistent is
+    # torch with the same output, torch-numpy its fastest.
+    "iterable": ("aioloader", "torch-numpy", "torch-persistent"),
     "hfmap": ("aioloader", "torch-numpy"),
-    "hfstream": ("aioloader", "torch-numpy"),
+    "hfstream": ("aioloader", "torch-numpy", "torch-persistent"),
 }
 # What runs without --workloads; the others are named there (or run with "all").
 DEFAULT_WORKLOADS = ("jpeg", "tiny", "boundary", "dispatch", "cold")
