@@ -39,6 +39,9 @@ class Squares:
 CONSUMER = '''
 import asyncio, json, os, sys, threading
 print("before the loader")  # buffered: a fork that copied the buffer would print it twice
+if sys.argv[2] == "tqdm-before-aioloader":
+    import tqdm
+    bar = tqdm.tqdm(total=3, file=open(os.devnull, "w"))  # its monitor runs from here on
 import probe
 import aioloader
 from aioloader._pool import zygote as _forkserver
@@ -80,10 +83,11 @@ def sync_face():
 if __name__ == "__main__":
     if "pyarrow" in sys.argv[2]:
         import pyarrow  # starts jemalloc's background thread
-    if "tqdm" in sys.argv[2]:
+    if sys.argv[2] in ("tqdm", "tqdm+pyarrow"):
         import tqdm
         # An open bar: its monitor thread runs (datasets.load_dataset leaves one so).
         bar = tqdm.tqdm(total=3, file=open(os.devnull, "w"))
+    if "tqdm" in sys.argv[2]:
         assert tqdm.tqdm.monitor.is_alive()
     if sys.argv[2] == "threaded":
         stop = threading.Event()
@@ -140,7 +144,7 @@ def test_workers_start_from_a_copy_of_the_consumer_and_import_nothing_again(tmp_
                "the forked forkserver to exit with its consumer")
 
 
-@pytest.mark.parametrize("mode", ["tqdm", "tqdm+pyarrow"])
+@pytest.mark.parametrize("mode", ["tqdm", "tqdm+pyarrow", "tqdm-before-aioloader"])
 def test_a_consumer_whose_only_threads_are_tqdms_monitor_and_jemallocs_still_forks(
     tmp_path: Path, mode: str
 ) -> None:

@@ -38,6 +38,7 @@ import socket
 import struct
 import sys
 import threading
+import time
 import types
 import warnings
 from typing import Any
@@ -80,7 +81,13 @@ def _native_threads() -> int | None:
     return count
 
 
-_NATIVE_AT_IMPORT = _native_threads() if threading.active_count() == 1 else None
+def _native_only() -> int | None:
+    """The threads that run no Python (:func:`_native_threads` less Python's own)."""
+    native = _native_threads()
+    return None if native is None else native - threading.active_count()
+
+
+_NATIVE_AT_IMPORT = _native_only()
 
 
 def _is_tqdm_monitor(t: threading.Thread) -> bool:
@@ -99,24 +106,33 @@ def _others() -> list[threading.Thread] | None:
 def usable() -> bool:
     """Can this process fork a zygote now? Linux; one Python thread, or only tqdm's
     monitor besides (:func:`fork_for_pool` stops it first; the next tqdm bar starts a
-    new one); no native thread but those there when aioloader was imported (numpy's
-    OpenBLAS pool, which prepares itself for fork) and jemalloc's; not turned off by
-    :data:`ENV`."""
+    new one); no more threads that run no Python than when aioloader was imported
+    (numpy's OpenBLAS pool, which prepares itself for fork), jemalloc's not counted;
+    not turned off by :data:`ENV`."""
     if os.environ.get(ENV, "").lower() == "spawn" or not sys.platform.startswith("linux"):
         return False
     others = _others()
     if not hasattr(socket, "send_fds") or others is None:
         return False
-    native = _native_threads()
-    return native is not None and native <= max(1, _NATIVE_AT_IMPORT or 1) + len(others)
+    native = _native_only()
+    return native is not None and native <= max(0, _NATIVE_AT_IMPORT or 0)
 
 
 def _stop_monitors() -> bool:
-    """Stop tqdm's monitor threads (see :func:`_others`); whether this thread is then
-    the only one."""
-    for t in _others() or ():
+    """Stop tqdm's monitor threads (see :func:`_others`); whether a zygote may then be
+    forked. A joined thread's OS thread ends a moment later, and nothing signals that:
+    its end is polled for, 50 ms at most (then multiprocessing starts the workers)."""
+    stopped = _others() or []
+    for t in stopped:
         t.exit()  # type: ignore[attr-defined]  # sets its event and joins it
-    return threading.active_count() == 1
+    if threading.active_count() != 1:
+        return False
+    deadline = time.monotonic() + (0.05 if stopped else 0.0)
+    while not usable():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.001)
+    return True
 
 
 def server_pid() -> int | None:
@@ -139,7 +155,7 @@ def fork_for_pool() -> Zygote | None:
             z = None
         if z is not None:
             z.reports()  # what its last pool left unread
-        elif usable() and _stop_monitors() and usable():
+        elif usable() and _stop_monitors():
             with contextlib.suppress(OSError):
                 z = Zygote.fork()
         if z is not None and not z.dead:
