@@ -152,3 +152,8 @@ class Gated:
                     raise TimeoutError(f"{self.gate} never appeared")
                 time.sleep(0.01)
         return len(body)
+
+
+def lock_for_minus_one(x: int) -> Any:
+    """``x``, but a lock (a result that cannot be pickled) for ``-1``."""
+    return threading.Lock() if x == -1 else x

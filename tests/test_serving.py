@@ -468,3 +468,52 @@ async def test_a_request_late_at_a_worker_calibrates_with_its_real_answer_time()
     q.resolve(unit, ["late"], None)  # the answer comes 20 ms or more after submit()
     assert q.model.ratio > 1 + (20 - 1) / 8 - 1e-9  # 1/8 of the way to actual/estimate >= 20
     await q.aclose()
+
+
+# ------------------------------------------------- requests that cannot travel
+def _own_errors(out: list[Any], bad: int) -> BaseException:
+    """The one error of ``out`` (at ``bad``); every other slot a result."""
+    err = out[bad]
+    assert isinstance(err, TypeError) and "pickle" in str(err), out
+    assert not any(isinstance(x, BaseException) for k, x in enumerate(out) if k != bad), out
+    return err
+
+
+@pytest.mark.parametrize("face", ["async", "sync"])
+@pytest.mark.parametrize("what", ["request", "result"])
+def test_a_request_or_result_that_cannot_be_pickled_fails_alone(face: str, what: str) -> None:
+    # 16 requests in one micro-batch, one of which (or whose result) will not pickle.
+    bad = 8
+    items: list[Any] = list(range(16))
+    items[bad] = threading.Lock() if what == "request" else -1
+    b = Batcher(H.lock_for_minus_one, batch_size=16, max_latency=1.0, num_workers=1)
+    with b:
+        if face == "async":
+
+            async def main() -> list[Any]:
+                return await b.submit_many(items, return_exceptions=True)
+
+            out = b._portal().call(main())
+        else:
+            with cf.ThreadPoolExecutor(16) as ex:
+                futs = [ex.submit(b.submit_sync, x, timeout=30) for x in items]
+                out = [f.exception() or f.result() for f in futs]
+        st = b.stats()
+    err = _own_errors(out, bad)
+    assert [x for k, x in enumerate(out) if k != bad] == [k for k in range(16) if k != bad]
+    notes = "\n".join(getattr(err, "__notes__", []))
+    if what == "request":
+        assert f"request {bad} " in notes and "could not be pickled to travel to a worker" in notes, notes
+    else:
+        assert f"the result of request {bad} cannot be pickled" in notes, notes
+    assert (st.completed, st.failed) == (15, 1)
+
+
+@pytest.mark.asyncio
+async def test_callers_of_one_failed_micro_batch_get_their_own_exception_objects() -> None:
+    async with Batcher(H.squares, batched_fn=True, batch_size=8, max_latency=0.05) as b:
+        out = await b.submit_many([5, -1, 3], return_exceptions=True)
+    assert all(isinstance(e, ValueError) for e in out)
+    assert len({id(e) for e in out}) == 3
+    assert all("a negative input" in str(e) for e in out)
+    assert any("request 2 failed with the whole" in n for n in out[2].__notes__)

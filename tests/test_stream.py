@@ -404,6 +404,33 @@ def test_unpicklable_exception_becomes_remote_error() -> None:
     assert "stream item 2" in _notes(info.value)
 
 
+def _with_a_lock_at(n: int, bad: int) -> list[Any]:
+    items: list[Any] = list(range(n))
+    items[bad] = threading.Lock()  # an item that cannot be pickled
+    return items
+
+
+@pytest.mark.parametrize("size", [4, 1], ids=["in-a-micro-batch", "alone"])
+def test_an_item_that_cannot_be_pickled_is_named_by_its_position(mode: str, size: int) -> None:
+    with StreamLoader(_with_a_lock_at(12, 6), identity, batch_size=size, num_workers=1, collate_fn=list) as st:
+        seen: list[Any] = []
+        with pytest.raises(TypeError, match="pickle") as info:
+            drive(mode, st, lambda i, b: seen.append(b))
+    assert "stream item 6 " in _notes(info.value) or "source items 6..6" in _notes(info.value)
+    assert "could not be pickled to travel to a worker" in _notes(info.value)
+    assert seen == [[0, 1, 2, 3]] if size == 4 else seen == [[k] for k in range(6)]
+
+
+@pytest.mark.parametrize("size", [4, 1], ids=["in-a-micro-batch", "alone"])
+def test_on_error_skip_drops_an_item_that_cannot_be_pickled(mode: str, size: int) -> None:
+    kw: dict[str, Any] = {"batch_size": size, "num_workers": 1, "on_error": "skip", "collate_fn": list}
+    with StreamLoader(_with_a_lock_at(12, 6), identity, **kw) as st:
+        got = [x for b in drive(mode, st) for x in b]
+        stats = st.stats()
+    assert got == [k for k in range(12) if k != 6]
+    assert stats.skipped == 1
+
+
 class _HoldsALock:
     """A callable that cannot be pickled, even by value (it holds a lock)."""
 

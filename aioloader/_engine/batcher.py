@@ -17,6 +17,7 @@ from .._worker import stream as _stream
 from .._worker.channel import Carried
 from ..errors import LoaderTimeout, WorkerCrashedError
 from ..errors import add_note as _add_note
+from .dispatch import Unsent
 from .epochs import WorkerSide
 from .feeds import EXHAUSTED, TIMEOUT, Feed
 from .isolate import Joined, Rerun
@@ -113,13 +114,17 @@ class StreamUnit:
         """The micro-batch is one collated batch, and an item run alone was collated
         alone: so the items that came through run again as one task. An item that
         failed alone raises its error (the first in source order); with
-        ``on_error="skip"`` one that killed its worker or overran is skipped instead,
-        as an item whose ``fn`` raised."""
+        ``on_error="skip"`` one that killed its worker, overran or did not pickle is
+        skipped instead, as an item whose ``fn`` raised."""
         kept: list[tuple[int, Any]] = []
         skipped: list[tuple[int, str]] = []
         for part, out in zip(parts, outcomes, strict=True):
             pos = part.first
-            if isinstance(out, BaseException):
+            if isinstance(out, Unsent):  # the item does not pickle
+                if not self.skip:
+                    raise out.exc
+                skipped.append((pos, f"{type(out.exc).__name__}: {out.exc} (the item does not pickle)"))
+            elif isinstance(out, BaseException):
                 if not (self.skip and isinstance(out, (WorkerCrashedError, LoaderTimeout))):
                     raise out
                 skipped.append((pos, f"{type(out).__name__}: {out}"))

@@ -22,9 +22,9 @@ from .._pool import Job, Lost, WorkerPool, describe_exit
 from .._stats import Recorder
 from .._worker import tasks as _tasks
 from .._worker.slots import torch_crash_words
-from ..errors import LoaderClosedError, LoaderTimeout, WorkerCrashedError
+from ..errors import LoaderClosedError, LoaderTimeout, WorkerCrashedError, add_note
 
-__all__ = ["Dispatcher", "Named", "Raised", "Split", "cancelling"]
+__all__ = ["Dispatcher", "Named", "Raised", "Split", "Unsent", "cancelling"]
 
 _task_ids = itertools.count(1)
 # A worker that has not finished starting max(timeout, this) after its pool was asked to
@@ -48,6 +48,15 @@ class Split(Exception):
     def __init__(self, why: str) -> None:
         super().__init__(why)
         self.why = why
+
+
+class Unsent(Exception):
+    """Dispatcher → isolation stage, never to a user: the task of one item could not be
+    pickled to travel to a worker; ``exc`` is pickle's error, with a note naming the item."""
+
+    def __init__(self, exc: BaseException) -> None:
+        super().__init__(str(exc))
+        self.exc = exc
 
 
 class Named(Protocol):
@@ -112,6 +121,7 @@ class Dispatcher:
         named: Named,
         *,
         split: bool = False,
+        unsent: bool = False,
         on_part: Callable[[Job, Any], None] | None = None,
         owing: Callable[[], int | None] | None = None,
     ) -> Any:
@@ -120,9 +130,11 @@ class Dispatcher:
         ``named.label`` names the work in error messages ("batch 3 of epoch 0") and
         ``named.indices`` its samples; both are read only when needed (this runs for
         every batch). ``split``: the task is several units (a group) or items (a
-        micro-batch); its worker dying while it held the task, or the task overrunning
-        its timeout, raises :class:`Split` instead, so that they run again one per task
-        and only the culprit is charged or named.
+        micro-batch); its worker dying while it held the task, the task overrunning
+        its timeout, or the task not pickling, raises :class:`Split` instead, so that
+        they run again one per task and only the culprit is charged or named.
+        ``unsent``: a task that does not pickle raises :class:`Unsent` (the part of a
+        micro-batch run alone), not pickle's error itself.
 
         A task that lasts talks with its consumer: ``on_part`` takes its messages (see
         :meth:`~aioloader.WorkerPool.send`), and ``owing()`` says since when
@@ -180,6 +192,13 @@ class Dispatcher:
             except Exception as exc:
                 if self.is_closed():
                     raise LoaderClosedError("the loader was closed while this batch was pending") from exc
+                if not job.unsent:
+                    raise
+                if split:
+                    raise Split("did not pickle as a whole") from None
+                add_note(exc, f"aioloader: {_name(named)} could not be pickled to travel to a worker")
+                if unsent:
+                    raise Unsent(exc) from None
                 raise
             finally:
                 self._running.pop(task_id, None)

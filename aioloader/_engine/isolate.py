@@ -2,12 +2,14 @@
 
 A micro-batch of the Batcher or the StreamLoader holds independent items: requests, or
 items of a stream. When one of them kills its worker (a segfault, ``os._exit``, the OOM
-killer) or hangs, a plain retry runs it again with the same companions, and once
-``max_retries`` is spent they all fail together. So a micro-batch of more than one item
+killer), hangs, or cannot be pickled, a plain retry runs it again with the same
+companions, and once ``max_retries`` is spent they all fail together. So a micro-batch of more than one item
 is never retried whole:
 
-* its first loss (its own worker died holding it, or it overran ``timeout``) is charged
-  to nobody; each item still wanted then runs alone, in a task of its own, all at once;
+* its first loss (its own worker died holding it, it overran ``timeout``, or its task
+  did not pickle) is charged to nobody; each item still wanted then runs alone, in a
+  task of its own, all at once; an item that does not pickle alone fails alone, with a
+  note naming it (a stream with ``on_error="skip"`` skips it);
 * each of those tasks has the whole ``max_retries``: a one-off death of an innocent item
   is still retried, and only an item that keeps killing its worker fails, with
   :class:`~aioloader.WorkerCrashedError` naming it; one that overruns alone fails with
@@ -31,7 +33,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from .._stats import Recorder
-from .dispatch import Dispatcher, Split
+from .dispatch import Dispatcher, Split, Unsent
 
 __all__ = ["Divisible", "IsolateStage", "Joined", "Rerun"]
 
@@ -75,7 +77,12 @@ class IsolateStage:
     async def run(self, unit: Any, make_task: Callable[[int, bool], Any]) -> Any:
         run = self.dispatcher.run
         if not unit.divisible:
-            return await run(unit.fn, make_task, unit)
+            try:
+                return await run(unit.fn, make_task, unit, unsent=True)
+            except Unsent as unsent:  # one item that does not pickle: the unit says what then
+                joined = unit.rejoin([unit], [unsent])
+                assert isinstance(joined, Joined)
+                return joined
         try:
             return await run(unit.fn, make_task, unit, split=True)
         except Split as split:
@@ -91,9 +98,10 @@ class IsolateStage:
         return res._replace(skipped=joined.skipped + tuple(res.skipped)) if joined.skipped else res
 
     async def _alone(self, part: Any) -> Any:
-        """The part's result, or what it raised (the run closing still cancels it)."""
+        """The part's result, or what it raised (the run closing still cancels it); an
+        item that does not pickle gives :class:`~aioloader._engine.dispatch.Unsent`."""
         try:
-            return await self.dispatcher.run(part.fn, part.make_task, part)
+            return await self.dispatcher.run(part.fn, part.make_task, part, unsent=True)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # SystemExit from user code too: the unit decides

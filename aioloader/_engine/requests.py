@@ -29,6 +29,7 @@ result or with ``DeadlineExceeded``. Three checks keep the second rare and cheap
 from __future__ import annotations
 
 import asyncio
+import copy
 import functools
 import heapq
 import itertools
@@ -39,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import DeadlineExceeded, LoaderClosedError, Overloaded
+from ..errors import DeadlineExceeded, LoaderClosedError, Overloaded, add_note
 from .admission import HEADROOM, CostModel
 from .epochs import WorkerSide
 from .serve_unit import ServeUnit
@@ -348,6 +349,7 @@ class RequestQueue:
         if error is None and not unit.isolated:
             self.model.answered(unit.size, unit.requests[0].dispatched, now, self.waiting > 0)
         answered: list[tuple[float, float]] = []  # (seconds from submit, estimate)
+        given: set[int] = set()  # the exceptions handed to a request already
         for k, req in enumerate(unit.requests):
             self.outstanding.discard(req)
             state, req.state = req.state, _DONE
@@ -360,10 +362,11 @@ class RequestQueue:
             if req.future.done():
                 continue  # cancelled or expired in flight: the result is dropped
             out: Any = outcomes[k] if outcomes is not None else None
-            if error is None and type(out) is Failed:
-                error_k: BaseException | None = out.exc
-            else:
-                error_k = error
+            error_k = out.exc if error is None and type(out) is Failed else error
+            if error_k is not None and unit.size > 1:
+                if error is not None or id(error_k) in given:  # one error, several callers: copies
+                    error_k = _own(error_k, req.rid, unit.label)
+                given.add(id(error_k))
             if error_k is not None:
                 self.counters.failed += 1
                 req.future.set_exception(error_k)
@@ -395,6 +398,25 @@ class RequestQueue:
             if not room.done():
                 room.set_result(None)
                 self._woken += 1
+
+
+def _own(error: BaseException, rid: int, label: str) -> BaseException:
+    """``error`` of a whole micro-batch as request ``rid``'s own exception object: a
+    copy with its own notes and traceback, so that callers do not share (and extend)
+    one; the error itself where it cannot be copied."""
+    try:
+        own = copy.copy(error)
+    except Exception:
+        return error
+    if type(own) is not type(error):
+        return error
+    own.__traceback__, own.__cause__, own.__context__ = error.__traceback__, error.__cause__, error.__context__
+    own.__suppress_context__ = error.__suppress_context__
+    notes = getattr(error, "__notes__", None)
+    if notes is not None:
+        own.__notes__ = list(notes)
+    add_note(own, f"aioloader: request {rid} failed with the whole of its {label}")
+    return own
 
 
 def percentiles(values: deque[float]) -> tuple[float | None, float | None, float | None]:

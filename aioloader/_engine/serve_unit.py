@@ -1,7 +1,7 @@
 """A Batcher's micro-batch as a unit of the run: requests on their way to a worker.
 
-It travels as a stream task of ``(request id, item)`` pairs. Lost to a dying worker or
-overrunning ``timeout``, it divides into one unit per request
+It travels as a stream task of ``(request id, item)`` pairs. Lost to a dying worker,
+overrunning ``timeout`` or not pickling, it divides into one unit per request
 (:mod:`aioloader._engine.isolate`), and puts their outcomes back together.
 """
 
@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from .._worker import stream as _stream
+from .dispatch import Unsent
 from .epochs import WorkerSide
 from .isolate import Joined
 
@@ -54,7 +55,9 @@ class ServeUnit:
         side = self._side
         payload = side.inline if side.inline is not None else side.payload() if with_payload else None
         pairs = [(r.rid, r.item) for r in self.requests]
-        return _stream.StreamTask(side.token, task_id, self.key, self.requests[0].rid, pairs, payload)
+        return _stream.StreamTask(
+            side.token, task_id, self.key, self.requests[0].rid, pairs, payload, requests=True
+        )
 
     # ------------------------------------------------------------- isolation
     @property
@@ -70,12 +73,14 @@ class ServeUnit:
 
     def rejoin(self, parts: Sequence[ServeUnit], outcomes: Sequence[Any]) -> Joined:
         """Each request's own outcome: its result, or what its task raised (a
-        :class:`~aioloader.WorkerCrashedError` or :class:`~aioloader.LoaderTimeout`
-        naming it) as its :class:`~aioloader._worker.serve.Failed`."""
+        :class:`~aioloader.WorkerCrashedError`, a :class:`~aioloader.LoaderTimeout`, or
+        pickle's error, naming it) as its :class:`~aioloader._worker.serve.Failed`."""
         from .._worker.serve import Failed
 
         got: dict[int, Any] = {}
         for part, out in zip(parts, outcomes, strict=True):
+            if isinstance(out, Unsent):
+                out = out.exc
             got[part.requests[0].rid] = Failed(out) if isinstance(out, BaseException) else out.data[0]
         # (a request without a part was answered already: resolve drops its slot)
         return Joined([got.get(r.rid) for r in self.requests], ())

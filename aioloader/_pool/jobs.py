@@ -47,7 +47,7 @@ class Job:
 
     __slots__ = (
         "__weakref__", "alone", "args", "callback", "done", "fn", "gate", "lost", "on_part", "outcome",
-        "sent_ns", "seq", "stopped", "submit_ns", "task_id", "waiter", "waker", "worker",
+        "sent_ns", "seq", "stopped", "submit_ns", "task_id", "unsent", "waiter", "waker", "worker",
     )  # fmt: skip
 
     def __init__(
@@ -65,6 +65,7 @@ class Job:
         self.lost: Lost | None = None
         self.done = False
         self.stopped = False  # a timeout stopped it: it ends Lost, uncharged, not run again
+        self.unsent = False  # it could not be pickled: its error is from here, not a worker
         self.worker: Any = None  # where it was sent (a backend's own record), if anywhere
         self.seq = -1  # its number on that worker's channel
         self.sent_ns = 0  # when it was written to that channel

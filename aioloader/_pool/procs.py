@@ -279,6 +279,7 @@ class Procs:
             parts = _channel.frame_parts((job.fn, job.args))
         except BaseException as exc:
             traceback.clear_frames(exc.__traceback__)
+            job.unsent = True
             return _reply.Outcome(False, exc)
         job.worker, job.seq, job.sent_ns = w, w.seqs, time.monotonic_ns()
         w.seqs += 1

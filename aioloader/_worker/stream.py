@@ -48,6 +48,7 @@ class StreamTask(NamedTuple):
     items: Sequence[Any]
     payload: bytes | StreamContext | None = None
     positions: Sequence[int] | None = None  # source positions of the items, when not consecutive (fetch=)
+    requests: bool = False  # a Batcher's: the items are (request id, item), one outcome each
 
 
 class StreamResult(NamedTuple):
@@ -58,8 +59,12 @@ class StreamResult(NamedTuple):
     start_ns: int
     end_ns: int
 
-    def unpicklable(self, task: StreamTask, exc: BaseException, where: str) -> None:
-        _unpicklable.stream(self, task, exc, where)  # see aioloader._worker.culprit.salvage
+    def unpicklable(self, task: StreamTask, exc: BaseException, where: str) -> StreamResult | None:
+        # see aioloader._worker.culprit.salvage
+        if task.requests:
+            return _unpicklable.requests(self, task, exc, where)  # type: ignore[no-any-return]
+        _unpicklable.stream(self, task, exc, where)
+        return None
 
 
 def run_stream_batch(task: StreamTask) -> StreamResult | str:

@@ -17,8 +17,9 @@ from .._shm._encode import ShmBatch
 from ..errors import add_note
 from . import culprit as _culprit
 from . import reply as _reply
+from . import serve as _serve
 
-__all__ = ["batch", "group", "shard", "stream"]
+__all__ = ["batch", "group", "requests", "shard", "stream"]
 
 
 def _kept(ids: Sequence[int], skipped: Sequence[tuple[int, str]]) -> list[int]:
@@ -59,6 +60,41 @@ def stream(result: Any, task: Any, exc: BaseException, where: str) -> None:
     positions = task.positions if task.positions is not None else range(first, first + len(task.items))
     ids = _kept([int(p) for p in positions], result.skipped)
     _explain(exc, f"micro-batch {task.batch} of the stream", result.data, ids, "source position", where)
+
+
+def requests(result: Any, task: Any, exc: BaseException, where: str) -> Any:
+    """A Batcher's micro-batch: each result that will not pickle fails its own request,
+    with its own error naming the request; the others go back (``None`` if none fails
+    alone)."""
+    outcomes = list(result.data) if isinstance(result.data, list) else []
+    if len(outcomes) != len(task.items):
+        add_note(exc, f"aioloader: raised while pickling micro-batch {task.batch} of a Batcher in {where}")
+        return None
+    failed = False
+    for k, ((rid, _item), out) in enumerate(zip(task.items, outcomes, strict=True)):
+        if type(out) is _serve.Failed:
+            continue
+        try:
+            _culprit.result_dumps(out)
+        except Exception as own:
+            found = _culprit.find(out, _culprit.result_dumps)
+            held = ""
+            if found is not None:
+                steps, part = found
+                kind = f"{type(part).__module__}.{type(part).__qualname__}".removeprefix("builtins.")
+                path = "".join(s.text for s in steps)
+                held = f": result{path} holds a {kind}" if path else f": it is a {kind}"
+            add_note(
+                own,
+                f"aioloader: the result of request {rid} cannot be pickled to travel to the main "
+                f"process{held}; in {where}. Make fn return picklable objects, or use num_workers=0",
+            )
+            outcomes[k] = _serve.Failed(own)
+            failed = True
+    if not failed:
+        add_note(exc, f"aioloader: raised while pickling micro-batch {task.batch} of a Batcher in {where}")
+        return None
+    return result._replace(data=outcomes)
 
 
 def group(result: Any, task: Any, exc: BaseException, where: str) -> Any:
