@@ -368,10 +368,15 @@ class IterableLoader(LoaderBase):
     async def _begin(self) -> Pass:
         raise NotImplementedError
 
+    def _claim(self) -> None:
+        """Called in the consumer's thread as a pass begins: a face that allows one
+        consumer thread at a time raises here for another (the stream)."""
+
     def __aiter__(self) -> AsyncIterator[Any]:
         return self._aiterate()
 
     async def _aiterate(self) -> AsyncIterator[Any]:
+        self._claim()
         p = await self._begin()
         try:
             while True:
@@ -395,6 +400,7 @@ class IterableLoader(LoaderBase):
     def _iterate(self, portal: Portal) -> Iterator[Any]:
         # A generator: the pass begins at the first next(), so an iterator created and
         # dropped unused costs nothing.
+        self._claim()
         if self._state is Lifecycle.NEW:  # here, where the thread would only wait: no hop to a thread
             self._prepare_and_start()
         p = portal.call(self._begin())

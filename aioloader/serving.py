@@ -188,6 +188,7 @@ class Batcher(LoaderBase, Generic[Batch]):
         self._queue: RequestQueue | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._deliverer: asyncio.Task[None] | None = None
+        self._run: Run | None = None
         self._prepare_now()
 
     # -------------------------------------------------------------------- payload
@@ -211,14 +212,21 @@ class Batcher(LoaderBase, Generic[Batch]):
 
     # -------------------------------------------------------------------- starting
     def _start_here(self) -> RequestQueue:
-        """The queue, started on the running loop if it is not started yet."""
+        """The queue, started on the running loop if it is not started yet, or if the
+        loop it ran on is gone (closed, or no longer running: one ``asyncio.run`` after
+        another). What it learnt of the pool's costs carries over."""
         loop = asyncio.get_running_loop()
         with self._lock:
             self._check_open()
-            if self._queue is not None:
-                return self._queue
+            old = self._queue
+            if old is not None:
+                if not _gone(self._loop):
+                    return old
+                self._abandon()
             side = WorkerSide(self._token, 0, self._shared.get_payload, self._inline_ctx)
             queue = RequestQueue(side, self.batch_size, self.max_latency, self.max_pending, self._counters)
+            if old is not None:
+                queue.model = old.model
             run = Run(self._run_config(), queue)
             concurrency = self._pool.concurrency
             queue.idle = lambda: len(run.units) < concurrency
@@ -227,8 +235,17 @@ class Batcher(LoaderBase, Generic[Batch]):
             self._runs.add(run)
             run.start()
             self._deliverer = loop.create_task(_deliver(run, queue, self._recorder), name="aioloader-batcher")
-            self._queue, self._loop = queue, loop
+            self._queue, self._loop, self._run = queue, loop, run
             return queue
+
+    def _abandon(self) -> None:
+        """Forget the run of a loop that is gone (the lock held): its tasks died with
+        the loop; requests it still held can no longer be answered there."""
+        run = self._run
+        self._queue = self._loop = self._run = self._deliverer = None
+        if run is not None:
+            self._runs.discard(run)
+            run.close_threadsafe()
 
     def _run_config(self) -> RunConfig:
         # each result goes out as soon as it is ready; a micro-batch's error fails its own
@@ -241,7 +258,7 @@ class Batcher(LoaderBase, Generic[Batch]):
     def __enter__(self) -> Batcher[Batch]:
         """Start on a private event loop (for ``submit_sync`` and threaded servers)."""
         self._check_open()
-        if self._loop is None:
+        if _gone(self._loop):
             self._portal().call(self._start_async())
         return self
 
@@ -266,9 +283,10 @@ class Batcher(LoaderBase, Generic[Batch]):
         """
         priority = check_int("priority", priority, -(2**62)) if priority else 0
         deadline = check_seconds("deadline", deadline, allow_zero=True)
+        self._check_open()
         loop = asyncio.get_running_loop()
         home = self._loop
-        if home is not None and home is not loop:  # submitted from another loop: hop over
+        if home is not None and home is not loop and not _gone(home):  # another loop's: hop over
             fut = asyncio.run_coroutine_threadsafe(self._submit_here(item, priority, deadline, block), home)
             return await asyncio.wrap_future(fut)
         return await self._submit_here(item, priority, deadline, block)
@@ -303,15 +321,24 @@ class Batcher(LoaderBase, Generic[Batch]):
         """:meth:`submit` from plain code in any thread but the Batcher's own loop thread
         (threaded servers). Starts the Batcher on a private loop if needed; waits at most
         ``timeout`` seconds (then the request is withdrawn and ``TimeoutError`` raised)."""
-        if self._loop is None:
+        self._check_open()
+        try:
+            running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is not None and running is self._loop:
+            raise RuntimeError("submit_sync would block the Batcher's own event loop: await submit()")
+        if _gone(self._loop):
             self.__enter__()
         home = self._loop
         assert home is not None
-        with contextlib.suppress(RuntimeError):
-            if asyncio.get_running_loop() is home:
-                raise RuntimeError("submit_sync would block the Batcher's own event loop: await submit()")
         coro = self.submit(item, priority=priority, deadline=deadline, block=block)
-        fut = asyncio.run_coroutine_threadsafe(coro, home)
+        try:
+            fut = asyncio.run_coroutine_threadsafe(coro, home)
+        except RuntimeError:  # its loop closed under us: the Batcher was closed
+            coro.close()
+            self._check_open()
+            raise
         try:
             result: Batch = fut.result(timeout)
             return result
@@ -356,6 +383,11 @@ class Batcher(LoaderBase, Generic[Batch]):
             f"<aioloader.Batcher batch_size={self.batch_size} max_latency={self.max_latency} "
             f"num_workers={self.num_workers} {self._state.value}>"
         )
+
+
+def _gone(loop: asyncio.AbstractEventLoop | None) -> bool:
+    """Is there no loop, or one that can no longer answer (closed, or not running)?"""
+    return loop is None or loop.is_closed() or not loop.is_running()
 
 
 async def _deliver(run: Run, queue: RequestQueue, recorder: Recorder) -> None:

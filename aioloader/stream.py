@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import os
+import threading
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from multiprocessing.context import BaseContext
 from typing import Any, ClassVar, Generic, Literal
@@ -189,6 +190,8 @@ class StreamLoader(IterableLoader, Generic[Batch]):
         self._inline_ctx: StreamContext | None = None
         self._active: Run | None = None
         self._iterations = 0
+        # The consumer thread of the open iteration, as a ticket its pass clears at its end.
+        self._consumer: list[tuple[int, int] | None] = [None]
         self._prepare_now()
 
     # -------------------------------------------------------------------- payload
@@ -213,6 +216,21 @@ class StreamLoader(IterableLoader, Generic[Batch]):
         self._active = None
 
     # ------------------------------------------------------------------ iteration
+    def _claim(self) -> None:
+        """One consumer thread at a time. A new iteration in the same thread takes over
+        the open one (it ends); from another thread, while that one's consumer thread
+        lives, it raises: a stream has one consumer, and two would each lose items."""
+        me = threading.get_ident()
+        with self._lock:
+            held = self._consumer[0]
+            if held is not None and held[0] != me and any(t.ident == held[0] for t in threading.enumerate()):
+                raise RuntimeError(
+                    f"this StreamLoader is being iterated in another thread (ident {held[0]}); "
+                    "a stream has one consumer at a time: finish or close that iteration first, "
+                    "or give each thread a StreamLoader of its own"
+                )
+            self._consumer[0] = (me, self._iterations)
+
     async def _begin(self) -> _StreamPass:
         with self._lock:
             self._check_open()
@@ -229,7 +247,8 @@ class StreamLoader(IterableLoader, Generic[Batch]):
                     side, feed, self._iterations, self.batch_size, self.max_latency, self.on_error == "skip"
                 ),
             )
-            p = _StreamPass(self._recorder, run, self._iterations)
+            ticket = self._consumer[0]
+            p = _StreamPass(self._recorder, run, self._iterations, self._consumer, ticket)
             self._iterations += 1
             self._active = run
             self._runs.add(run)
@@ -261,10 +280,19 @@ class StreamLoader(IterableLoader, Generic[Batch]):
 class _StreamPass:
     """One consumer's pass over the stream (see :class:`~aioloader._facade.Pass`)."""
 
-    def __init__(self, recorder: Recorder, run: Run, iteration: int) -> None:
+    def __init__(
+        self,
+        recorder: Recorder,
+        run: Run,
+        iteration: int,
+        consumer: list[tuple[int, int] | None],
+        ticket: tuple[int, int] | None,
+    ) -> None:
         self.recorder = recorder
         self.run = run
         self.rec = recorder.epoch_started(iteration)
+        self.consumer = consumer  # the stream's box of the open iteration's consumer
+        self.ticket = ticket
 
     async def take(self) -> Delivery:
         return await self.run.take()
@@ -276,4 +304,6 @@ class _StreamPass:
         return d.data
 
     async def finish(self) -> None:
+        if self.ticket is not None and self.consumer[0] is self.ticket:
+            self.consumer[0] = None  # (a list item set: atomic; a later claim replaced it otherwise)
         await self.run.aclose()

@@ -6,6 +6,7 @@ import asyncio
 import concurrent.futures as cf
 import pickle
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -517,3 +518,48 @@ async def test_callers_of_one_failed_micro_batch_get_their_own_exception_objects
     assert len({id(e) for e in out}) == 3
     assert all("a negative input" in str(e) for e in out)
     assert any("request 2 failed with the whole" in n for n in out[2].__notes__)
+
+
+# ------------------------------------------------------------ no call hangs
+def test_submit_sync_on_the_batchers_own_loop_raises_at_once() -> None:
+    b = Batcher(H.square, batch_size=4)
+
+    async def main() -> None:
+        assert await b.submit(2) == 4  # started on this loop
+        with pytest.raises(RuntimeError, match="own event loop"):
+            b.submit_sync(3, timeout=5)  # (bounds the wait where it would hang)
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), 30))
+    finally:
+        b.close()
+
+
+@pytest.mark.parametrize("workers", [0, 1], ids=["thread", "processes"])
+def test_a_batcher_serves_one_asyncio_run_after_another(workers: int) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "coroutine was never awaited"
+        b = Batcher(H.square, batch_size=4, num_workers=workers)
+        try:
+            assert asyncio.run(asyncio.wait_for(b.submit(3), 30)) == 9
+            assert asyncio.run(asyncio.wait_for(b.submit(4), 30)) == 16
+            assert asyncio.run(asyncio.wait_for(b.submit_many([1, 2]), 30)) == [1, 4]
+            assert b.submit_sync(5, timeout=30) == 25  # then a private loop
+            assert asyncio.run(asyncio.wait_for(b.submit(6), 30)) == 36  # which serves loops
+            assert b.stats().completed == 6
+        finally:
+            b.close()
+
+
+@pytest.mark.parametrize("started", ["private-loop", "asyncio-run", "never"])
+def test_submit_sync_after_close_raises_loader_closed(started: str) -> None:
+    b = Batcher(H.square, batch_size=4)
+    if started == "private-loop":
+        assert b.submit_sync(2, timeout=30) == 4
+    elif started == "asyncio-run":
+        assert asyncio.run(asyncio.wait_for(b.submit(2), 30)) == 4
+    b.close()
+    with pytest.raises(LoaderClosedError):
+        b.submit_sync(3, timeout=30)
+    with pytest.raises(LoaderClosedError):
+        asyncio.run(asyncio.wait_for(b.submit(3), 30))

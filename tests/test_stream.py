@@ -492,6 +492,37 @@ def test_new_iteration_supersedes_an_open_one() -> None:
             next(first)
 
 
+def test_a_second_consumer_thread_is_refused_and_the_first_goes_on(mode: str) -> None:
+    # The first consumer, in this thread, holds its iteration open while another thread
+    # tries to iterate the same stream: that one raises, and the first loses no item.
+    with StreamLoader(range(200), batch_size=10, collate_fn=list) as stream:
+        errors: list[BaseException] = []
+
+        def second() -> None:
+            try:
+                drive(mode, stream)
+            except BaseException as exc:
+                errors.append(exc)
+
+        def step(i: int, batch: Any) -> None:
+            if i == 0:
+                t = threading.Thread(target=second)
+                t.start()
+                t.join(30)
+                assert not t.is_alive()
+
+        got = drive(mode, stream, step)
+        assert [x for b in got for x in b] == list(range(200))
+        assert len(errors) == 1 and isinstance(errors[0], RuntimeError), errors
+        assert "another thread" in str(errors[0])
+        # Once the first iteration is over, another thread may iterate.
+        out: list[Any] = []
+        t = threading.Thread(target=lambda: out.extend(drive(mode, stream)))
+        t.start()
+        t.join(30)
+        assert [x for b in out for x in b] == list(range(200))
+
+
 @pytest.mark.asyncio
 async def test_superseded_consumer_ends_quietly(request: pytest.FixtureRequest) -> None:
     """A consumer waiting for a batch when a new iteration takes over sees the end of
