@@ -142,6 +142,10 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
             batch waiting is always let through).
         fetch_retries: retries of a fetch that failed transiently (connection errors,
             timeouts, HTTP 5xx/429), with exponential backoff. ``timeout`` bounds each try.
+        fetch_timeout: seconds one sample's fetch may take in all, every try and the
+            waits between them together (default 60; ``None``: no bound). A fetch still
+            unanswered then fails with its last error, or with
+            :class:`~aioloader.LoaderTimeout` if no try has ended.
         batches_per_task: batches a worker builds in one pool task; ``"auto"`` groups cheap
             batches (under about 2 ms of worker time) up to ``window // num_workers`` a task (16 at most),
             to spare the consumer's process a task's cost per batch. See :doc:`performance`.
@@ -205,6 +209,7 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
         io_concurrency: int = 64,
         io_buffer: int = DEFAULT_IO_BUFFER,
         fetch_retries: int = 3,
+        fetch_timeout: float | None = 60.0,
         batches_per_task: int | Literal["auto"] = "auto",
     ) -> None:
         keys, fetch, self.transform = resolve_remote(dataset, fetch, transform)
@@ -239,7 +244,9 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
         max_retries = check_int("max_retries", max_retries, 0)
         check_choice("shard_policy", shard_policy, ("pad", "drop", "uneven"))
         shard = check_shard(shard)
-        self._fetch = FetchConfig.make(fetch, io_concurrency, io_buffer, fetch_retries, timeout, on_error)
+        self._fetch = FetchConfig.make(
+            fetch, io_concurrency, io_buffer, fetch_retries, timeout, on_error, fetch_timeout
+        )
         self.fetch = fetch
 
         self.dataset = dataset

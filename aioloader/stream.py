@@ -99,6 +99,10 @@ class StreamLoader(IterableLoader, Generic[Batch]):
             micro-batch waiting is always let through).
         fetch_retries: retries of a fetch that failed transiently (connection errors,
             timeouts, HTTP 5xx/429), with exponential backoff; ``timeout`` bounds each try.
+        fetch_timeout: seconds one sample's fetch may take in all, every try and the
+            waits between them together (default 60; ``None``: no bound). A fetch still
+            unanswered then fails with its last error, or with
+            :class:`~aioloader.LoaderTimeout` if no try has ended.
 
     Guarantees and errors: exceptions from ``fn``/``collate_fn`` keep their type and
     gain a note with the item's source position (:class:`~aioloader.RemoteError` if
@@ -149,6 +153,7 @@ class StreamLoader(IterableLoader, Generic[Batch]):
         io_concurrency: int = 64,
         io_buffer: int = DEFAULT_IO_BUFFER,
         fetch_retries: int = 3,
+        fetch_timeout: float | None = 60.0,
     ) -> None:
         if not isinstance(source, (asyncio.Queue, AsyncIterable, Iterable)):
             raise TypeError(
@@ -168,7 +173,9 @@ class StreamLoader(IterableLoader, Generic[Batch]):
         timeout = check_seconds("timeout", timeout, allow_zero=False)
         check_choice("on_error", on_error, ("raise", "skip"))
         max_retries = check_int("max_retries", max_retries, 0)
-        self._fetch = FetchConfig.make(fetch, io_concurrency, io_buffer, fetch_retries, timeout, on_error)
+        self._fetch = FetchConfig.make(
+            fetch, io_concurrency, io_buffer, fetch_retries, timeout, on_error, fetch_timeout
+        )
         _, _, transform = resolve_remote(None, None, transform)  # validates it
         self.fetch = fetch
         self.transform = transform

@@ -19,6 +19,7 @@ import pytest
 
 pytest.importorskip("obstore")
 
+import aioloader
 from aioloader import DataLoader
 from aioloader._formats import rio_remote
 from aioloader.datasets import ImageRecordDataset, RecordFileDataset
@@ -450,3 +451,100 @@ def test_idx_offsets_past_the_end_fail_at_construction_as_locally(s3: S3Server, 
         RecordFileDataset(s3.url("damaged/short.rec"), store_options=s3.options)
     assert (remote.value.key, remote.value.offset) == (local.value.key, local.value.offset)
     assert str(remote.value) == str(local.value).replace(str(tmp_path), f"s3://{s3.bucket}/damaged")
+
+
+# -- stores that stall: every layer of retries bounded, the error says what happened
+
+
+@pytest.fixture
+def silent_port() -> Any:
+    """A port that accepts connections (the kernel's backlog does) and never answers."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(64)
+        yield sock.getsockname()[1]
+
+
+def _refused_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])  # closed again: connections are refused
+
+
+# Small explicit settings, so that the test is fast; the defaults are pinned below.
+QUICK = {"allow_http": True, "timeout": 0.2, "connect_timeout": 0.2, "retry_config": {"max_retries": 1}}
+
+
+def test_a_store_that_never_answers_fails_the_fetch_naming_store_key_and_why(
+    silent_port: int, collect: Any
+) -> None:
+    url = f"http://127.0.0.1:{silent_port}/bucket"
+    store = ObjectStore(url, **QUICK)
+    loader = DataLoader(["a", "b"], batch_size=2, fetch=store.get, fetch_retries=1, fetch_timeout=30)
+    with loader, pytest.raises(StoreTimeoutError) as info:
+        collect(loader)
+    text = str(info.value)
+    assert f"'a' in {url}" in text or f"'b' in {url}" in text, text
+    assert "no answer from http://127.0.0.1" in text and "within 0.2 s (2 tries over" in text, text
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "after 1 retries" in notes, notes
+
+
+def test_a_refused_connection_says_so(collect: Any) -> None:
+    port = _refused_port()
+    store = ObjectStore(f"http://127.0.0.1:{port}", **QUICK)
+    with pytest.raises(TransientStoreError, match=f"'k' in http://127.0.0.1:{port}: connection refused by"):
+        store.get_sync("k")
+    loader = DataLoader(["k"], batch_size=1, fetch=store.get, fetch_retries=0)
+    with loader, pytest.raises(TransientStoreError, match="connection refused"):
+        collect(loader)
+
+
+def test_fetch_timeout_bounds_every_try_together(silent_port: int, collect: Any) -> None:
+    # Each try of the store could last long (60 s, retried); the loader's one knob ends it.
+    url = f"http://127.0.0.1:{silent_port}"
+    store = ObjectStore(url, allow_http=True, timeout=60, retry_config={"max_retries": 5})
+    loader = DataLoader(["k"], batch_size=1, fetch=store.get, fetch_timeout=0.3)
+    with loader, pytest.raises(aioloader.LoaderTimeout, match=r"got no answer within fetch_timeout=0.3 s \(1 try\)"):
+        collect(loader)
+
+
+def test_default_options_bound_a_fetch_well_under_90_s() -> None:
+    store = ObjectStore("http://127.0.0.1:1/b", allow_http=True)
+    client, retry = store.client.client_options, store.client.retry_config
+    assert retry is not None and retry["max_retries"] == 2
+    assert retry["retry_timeout"].total_seconds() == 30
+    assert client is not None and str(client["timeout"]) in ("20s", "0:00:20")
+    loader = DataLoader(["k"], batch_size=1, fetch=store.get)
+    assert loader._fetch is not None and loader._fetch.total == 60.0
+    # Options given win, key by key.
+    store = ObjectStore("http://127.0.0.1:1/b", allow_http=True, retry_config={"max_retries": 0})
+    assert store.client.retry_config["max_retries"] == 0  # type: ignore[index]
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "match"),
+    [
+        ({"retry_config": {"retries": 1}}, ValueError, r"retry_config has no key 'retries'"),
+        ({"retry_config": {"max_retries": "3"}}, TypeError, r'retry_config\["max_retries"\] must be an int'),
+        ({"retry_config": {"backoff": {"initial": 1}}}, ValueError, r'retry_config\["backoff"\] has no key'),
+        ({"retry_config": 3}, TypeError, r"retry_config must be a dict"),
+        ({"timeout": "ten seconds"}, ValueError, r"timeout must be seconds .* got 'ten seconds'"),
+        ({"timeout": 0}, ValueError, r"timeout must be more than 0 s"),
+        ({"connect_timeout": "0s"}, ValueError, r"connect_timeout must be more than 0 s"),
+    ],
+)
+def test_option_mistakes_name_the_parameter(options: dict[str, Any], error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        ObjectStore("http://127.0.0.1:1/b", allow_http=True, **options)
+
+
+@pytest.mark.parametrize("value", [0, -1, "60"])
+def test_fetch_timeout_is_checked(value: Any) -> None:
+    with pytest.raises(ValueError, match="fetch_timeout"):
+        DataLoader(["k"], batch_size=1, fetch=_never, fetch_timeout=value)
+
+
+async def _never(item: Any) -> bytes:
+    await asyncio.Event().wait()
+    return b""

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from .._stats import Recorder
-from .._validate import check_int
+from .._validate import check_int, check_seconds
 from ..errors import LoaderTimeout, add_note
 
 __all__ = ["FetchConfig", "FetchStage", "Then", "is_transient", "nbytes", "resolve_remote"]
@@ -57,21 +57,23 @@ class FetchConfig:
     retries: int
     timeout: float | None
     skip: bool
+    total: float | None = None  # seconds for all tries of one fetch together
 
     @staticmethod
     def make(fetch: Any, io_concurrency: Any, io_buffer: Any, fetch_retries: Any,
-             timeout: float | None, on_error: str) -> FetchConfig | None:  # fmt: skip
+             timeout: float | None, on_error: str, fetch_timeout: Any = None) -> FetchConfig | None:  # fmt: skip
         """Validate the options (each error names its parameter); ``None`` without ``fetch``."""
         concurrency = check_int("io_concurrency", io_concurrency, 1)
         budget = check_int("io_buffer", io_buffer, 1)
         retries = check_int("fetch_retries", fetch_retries, 0)
+        total = check_seconds("fetch_timeout", fetch_timeout, allow_zero=False)
         if fetch is None:
             return None
         if not callable(fetch):
             raise TypeError(f"fetch must be an async callable, got {fetch!r}")
         if inspect.isfunction(fetch) and not inspect.iscoroutinefunction(fetch):
             raise TypeError(f"fetch must be an async function (async def), got the plain function {fetch!r}")
-        return FetchConfig(fetch, concurrency, budget, retries, timeout, on_error == "skip")
+        return FetchConfig(fetch, concurrency, budget, retries, timeout, on_error == "skip", total)
 
 
 class Then:
@@ -165,6 +167,10 @@ class _TimedOut(TimeoutError):
     """A try of a fetch ran past the loader's ``timeout`` (transient: retried)."""
 
 
+class _OutOfTime(TimeoutError):
+    """A try of a fetch ran past what ``fetch_timeout`` left it (not retried)."""
+
+
 class _UnitState:
     __slots__ = ("bytes",)
 
@@ -232,21 +238,24 @@ class FetchStage:
             self._notify()
 
     # ---------------------------------------------------------------- fetches
-    async def _call(self, item: Any) -> Any:
+    async def _call(self, item: Any, left: float | None) -> Any:
+        """One try of ``fetch(item)``, within the loader's ``timeout`` and the ``left``
+        seconds of the fetch's ``fetch_timeout``."""
         aw = self.cfg.fetch(item)
         if not inspect.isawaitable(aw):
             raise TypeError(
                 f"fetch must be an async callable; fetch({_describe(item)}) returned {type(aw).__name__}"
             )
-        timeout = self.cfg.timeout
-        if timeout is None:
+        per = self.cfg.timeout
+        limit = per if left is None else left if per is None else min(per, left)
+        if limit is None:
             return await aw
         start = self.loop.time()
         try:
-            return await asyncio.wait_for(aw, timeout)
+            return await asyncio.wait_for(aw, limit)
         except (TimeoutError, asyncio.TimeoutError):
-            if self.loop.time() - start >= timeout:
-                raise _TimedOut() from None
+            if self.loop.time() - start >= limit:
+                raise (_TimedOut() if limit == per else _OutOfTime()) from None
             raise  # the fetch's own timeout, before ours
 
     async def _fetch_one(self, uid: int, state: _UnitState, index: int, item: Any) -> Any:
@@ -254,22 +263,30 @@ class FetchStage:
         await self._admit(uid)
         try:
             attempt = 0
+            ends = None if cfg.total is None else self.loop.time() + cfg.total
+            last: Exception | None = None  # the error of the last try that ended
             while True:
                 async with self.sem:
                     self.running += 1
                     rec.fetch.peak = max(rec.fetch.peak, self.running)
                     try:
-                        value = await self._call(item)
+                        left = None if ends is None else max(0.0, ends - self.loop.time())
+                        value = await self._call(item, left)
                         break
                     except asyncio.CancelledError:
                         raise
+                    except _OutOfTime:
+                        return self._out_of_time(index, item, last, attempt)
                     except Exception as exc:
                         err: Exception = exc
+                        last = exc
                     finally:
                         self.running -= 1
                 if attempt >= cfg.retries or not is_transient(err):
                     return self._failed(index, item, err, attempt)
                 delay = min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2**attempt) * (0.5 + self._rng.random())
+                if ends is not None and self.loop.time() + delay >= ends:
+                    return self._out_of_time(index, item, err, attempt)
                 attempt += 1
                 rec.fetch.retries += 1
                 await asyncio.sleep(delay)
@@ -286,6 +303,23 @@ class FetchStage:
         rec.fetch.done += 1
         rec.fetch.bytes += size
         return value
+
+    def _out_of_time(self, index: int, item: Any, last: Exception | None, retries: int) -> _Failed:
+        """The fetch used up ``fetch_timeout``: its last error, or a LoaderTimeout."""
+        total = self.cfg.total
+        tries = retries + 1
+        spent = f"fetch_timeout={total} s ran out after {tries} {'try' if tries == 1 else 'tries'}"
+        if last is None:
+            exc: Exception = LoaderTimeout(
+                f"fetch of sample index {index} (item {_describe(item)}) got no answer within "
+                f"fetch_timeout={total} s ({tries} {'try' if tries == 1 else 'tries'})",
+                indices=[index],
+                timeout=total,
+            )
+        else:
+            exc = last
+            add_note(exc, f"aioloader: {spent}; the last try's error is this one")
+        return self._failed(index, item, exc, retries)
 
     def _failed(self, index: int, item: Any, exc: Exception, retries: int) -> _Failed:
         tries = f" after {retries} retries" if retries else ""

@@ -185,6 +185,7 @@ class ObjectStore:
         self._lock = threading.Lock()
         self._client: obstore.store.ObjectStore | None = None
         self._pid = 0
+        self._answer_s: float | None = None  # seconds one request waits for an answer
         self._connect()
         _live_stores.add(self)
 
@@ -198,12 +199,26 @@ class ObjectStore:
             if name in _CLIENT_KEYS:
                 client[name] = store_opts.pop(name)
                 client.update(_durations({name: client[name]}, "{}", self.url))
+        retry = store_opts.get("retry_config")
+        if retry is not None and not isinstance(retry, dict):
+            raise TypeError(
+                f"ObjectStore({self.url!r}): retry_config must be a dict with the keys "
+                f"{', '.join(sorted(_RETRY_KEYS))}; got {retry!r} ({type(retry).__name__})"
+            )
+        if self.url.split("://", 1)[0].lower() != "file":  # (a local store has no client)
+            for name, value in _CLIENT_DEFAULTS.items():
+                client.setdefault(name, value)
+            store_opts["retry_config"] = {**_RETRY_DEFAULTS, **(retry or {})}
         if isinstance(store_opts.get("retry_config"), dict):
             store_opts["retry_config"] = _retry_durations(store_opts["retry_config"], self.url)
+        self._answer_s = _seconds(client.get("timeout"))
         with boundary(None, self.url, making=True):
             made = obstore.store.from_url(self.url, client_options=client or None, **store_opts)
         self._client, self._pid = made, os.getpid()
         return made
+
+    def _boundary(self, key: str) -> Any:
+        return boundary(key, self.url, answer_s=self._answer_s)
 
     @property
     def client(self) -> obstore.store.ObjectStore:
@@ -228,7 +243,7 @@ class ObjectStore:
         """The whole object ``key``."""
         obstore, client = _import_obstore(), self.client
         _before_async_request()
-        with boundary(key, self.url):
+        with self._boundary(key):
             result = await obstore.get_async(client, key)
             return _bytes(await result.bytes_async())
 
@@ -243,13 +258,13 @@ class ObjectStore:
             return b""
         obstore, client = _import_obstore(), self.client
         _before_async_request()
-        with boundary(key, self.url):
+        with self._boundary(key):
             return _bytes(await obstore.get_range_async(client, key, start=start, end=end))
 
     def get_sync(self, key: str) -> bytes:
         """:meth:`get`, blocking (for worker-side code)."""
         obstore, client = _import_obstore(), self.client
-        with boundary(key, self.url):
+        with self._boundary(key):
             return _bytes(obstore.get(client, key).bytes())
 
     def get_range_sync(self, key: str, start: int, end: int) -> bytes:
@@ -257,7 +272,7 @@ class ObjectStore:
         if _empty_range(key, start, end):
             return b""
         obstore, client = _import_obstore(), self.client
-        with boundary(key, self.url):
+        with self._boundary(key):
             return _bytes(obstore.get_range(client, key, start=start, end=end))
 
     def size_sync(self, key: str) -> int:
@@ -268,7 +283,7 @@ class ObjectStore:
         """
         obstore, client = _import_obstore(), self.client
         try:
-            with boundary(key, self.url):
+            with self._boundary(key):
                 return int(obstore.head(client, key)["size"])
         except FileNotFoundError as missing:
             if (
@@ -277,7 +292,7 @@ class ObjectStore:
             ):
                 raise
             try:
-                with boundary(key, self.url):
+                with self._boundary(key):
                     obstore.get_range(client, key, start=0, end=1)
             except BucketNotFoundError:
                 raise
@@ -295,10 +310,43 @@ class ObjectStore:
         self._lock = threading.Lock()
         self._client = None  # made on first use in this process
         self._pid = 0
+        self._answer_s = None
         _live_stores.add(self)
 
     def __repr__(self) -> str:
         return f"ObjectStore({self.url!r})"
+
+
+# Defaults that bound one request of a store over the network, obstore's retries
+# included: a store that accepts connections and never answers ends a read within about
+# 3 x 20 s (obstore's own defaults: 30 s a try, retried for up to 180 s). Options given
+# take precedence, key by key.
+_CLIENT_DEFAULTS = {"timeout": timedelta(seconds=20), "connect_timeout": timedelta(seconds=5)}
+_RETRY_DEFAULTS: dict[str, Any] = {"max_retries": 2, "retry_timeout": timedelta(seconds=30)}
+_RETRY_KEYS = frozenset(("max_retries", "retry_timeout", "backoff"))
+_BACKOFF_KEYS = frozenset(("init_backoff", "max_backoff", "base"))
+# Durations a client takes in obstore's strings: a number and a unit, repeated ("1m 30s").
+_DURATION_TEXT = re.compile(
+    r"^\s*(?:\d+(?:\.\d+)?\s*(?:ns|us|µs|ms|s|sec|secs|m|min|mins|h|hr|hrs|d|days?)\s*)+$"
+)
+_UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "sec": 1.0, "secs": 1.0, "m": 60.0,
+           "min": 60.0, "mins": 60.0, "h": 3600.0, "hr": 3600.0, "hrs": 3600.0, "d": 86400.0,
+           "day": 86400.0, "days": 86400.0}  # fmt: skip
+
+
+def _text_seconds(text: str) -> float:
+    return sum(
+        float(n) * _UNIT_S[u] for n, u in re.findall(r"(\d+(?:\.\d+)?)\s*([a-zµ]+)", text)
+    )
+
+
+def _seconds(value: Any) -> float | None:
+    """A checked duration in seconds (a timedelta or an obstore duration string)."""
+    if isinstance(value, timedelta):
+        return value.total_seconds()
+    if isinstance(value, str):
+        return _text_seconds(value)
+    return None
 
 
 # The HTTP client's durations; obstore takes a datetime.timedelta or a duration string
@@ -308,8 +356,15 @@ _CLIENT_DURATIONS = frozenset(
 )
 
 
-def _duration(value: Any, name: str, url: str, strings: bool) -> Any:
+def _duration(value: Any, name: str, url: str, strings: bool, positive: bool = False) -> Any:
     if isinstance(value, str) and strings:
+        if not _DURATION_TEXT.match(value):
+            raise ValueError(
+                f"ObjectStore({url!r}): {name} must be seconds (an int or a float), a "
+                f"datetime.timedelta or a duration string such as '300ms' or '1m 30s'; got {value!r}"
+            )
+        if positive and _text_seconds(value) <= 0:
+            raise ValueError(f"ObjectStore({url!r}): {name} must be more than 0 s; got {value!r}")
         return value
     if isinstance(value, timedelta):
         seconds = value.total_seconds()
@@ -327,20 +382,52 @@ def _duration(value: Any, name: str, url: str, strings: bool) -> Any:
         )
     if not math.isfinite(seconds) or seconds < 0:
         raise ValueError(f"ObjectStore({url!r}): {name} must be a duration of 0 s or more; got {value!r}")
+    if positive and seconds == 0:
+        raise ValueError(
+            f"ObjectStore({url!r}): {name} must be more than 0 s (0 would fail every request); got {value!r}"
+        )
     return value if isinstance(value, timedelta) else timedelta(seconds=seconds)
 
 
 def _durations(options: dict[str, Any], name: str, url: str) -> dict[str, Any]:
     """``options`` with each HTTP-client duration checked; numbers become timedeltas."""
     return {
-        key: _duration(value, name.format(key), url, strings=True) if key in _CLIENT_DURATIONS else value
+        key: _duration(value, name.format(key), url, True, key in _POSITIVE)
+        if key in _CLIENT_DURATIONS
+        else value
         for key, value in options.items()
     }
+
+
+# A client duration of 0 makes every request fail at once.
+_POSITIVE = frozenset(("timeout", "connect_timeout", "read_timeout"))
 
 
 def _retry_durations(config: dict[str, Any], url: str) -> dict[str, Any]:
     """``retry_config`` with its durations checked; numbers (seconds) become timedeltas."""
     out = dict(config)
+    unknown = sorted(set(out) - _RETRY_KEYS, key=str)
+    if unknown:
+        raise ValueError(
+            f"ObjectStore({url!r}): retry_config has no key {unknown[0]!r}; its keys are "
+            f"{', '.join(sorted(_RETRY_KEYS))}"
+        )
+    if "max_retries" in out:
+        n = out["max_retries"]
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise TypeError(
+                f'ObjectStore({url!r}): retry_config["max_retries"] must be an int >= 0; '
+                f"got {n!r} ({type(n).__name__})"
+            )
+    if "backoff" in out and not isinstance(out["backoff"], dict):
+        raise TypeError(f'ObjectStore({url!r}): retry_config["backoff"] must be a dict; got {out["backoff"]!r}')
+    if isinstance(out.get("backoff"), dict):
+        unknown = sorted(set(out["backoff"]) - _BACKOFF_KEYS, key=str)
+        if unknown:
+            raise ValueError(
+                f'ObjectStore({url!r}): retry_config["backoff"] has no key {unknown[0]!r}; its keys '
+                f"are {', '.join(sorted(_BACKOFF_KEYS))}"
+            )
     if "retry_timeout" in out:
         out["retry_timeout"] = _duration(out["retry_timeout"], 'retry_config["retry_timeout"]', url, False)
     if isinstance(out.get("backoff"), dict):

@@ -222,10 +222,13 @@ def _no_credentials(text: str, first: str, key: str | None, url: str) -> NoCrede
     return NoCredentialsError("\n".join(lines), key=key, url=url)
 
 
+_REQUEST_URI = re.compile(r"Error performing \w+ (\S+) in ")
+
+
 def _endpoint(first: str) -> str | None:
     """``scheme://host:port`` of the request obstore names in ``first``, if it names one."""
-    m = _REQUEST.search(first)
-    return "/".join(m.group(2).split("/", 3)[:3]) if m else None
+    m = _REQUEST_URI.search(first)
+    return "/".join(m.group(1).split("/", 3)[:3]) if m else None
 
 
 def _plain_http(first: str, key: str | None, url: str) -> StoreSetupError:
@@ -254,8 +257,44 @@ def _no_bucket(first: str, key: str | None, url: str) -> BucketNotFoundError:
     )
 
 
-def translate(err: BaseException, key: str | None, url: str) -> BaseException:
-    """obstore's exception for a request on ``key`` as one of ours (``err`` is kept as the cause)."""
+_TRIES = re.compile(r"retries: (\d+),\s*max_retries: \d+,\s*elapsed: ([\d.]+)(ns|µs|us|ms|s)\b")
+_REFUSED = re.compile(r"ConnectionRefused|connection refused", re.IGNORECASE)
+_SCALE = {"ns": 1e-9, "µs": 1e-6, "us": 1e-6, "ms": 1e-3, "s": 1.0}
+
+
+def _tried(text: str) -> str:
+    """``" (3 tries over 41.2 s)"`` from obstore's retry record, or ``""``."""
+    m = _TRIES.search(text)
+    if m is None:
+        return ""
+    tries, elapsed = int(m.group(1)) + 1, float(m.group(2)) * _SCALE[m.group(3)]
+    return f" ({tries} {'try' if tries == 1 else 'tries'} over {elapsed:.1f} s)"
+
+
+def _unreachable(text: str, first: str, key: str | None, url: str, answer_s: float | None) -> BaseException | None:
+    """A request that got no answer, said in words: refused, or nothing within the timeout."""
+    where = url if key is None else f"{key!r} in {url}"
+    endpoint = _endpoint(first) or url
+    if _REFUSED.search(text):
+        return TransientStoreError(
+            f"{where}: connection refused by {endpoint}{_tried(text)}", key=key, url=url
+        )
+    if _TIMEOUT_TEXT.search(text):
+        within = f" within {answer_s:g} s" if answer_s is not None else ""
+        return StoreTimeoutError(
+            f"{where}: no answer from {endpoint}{within}{_tried(text)}; the ObjectStore options "
+            "timeout= and retry_config= bound one read",
+            key=key,
+            url=url,
+        )
+    if "kind: Connect" in text:
+        return TransientStoreError(f"{where}: could not connect to {endpoint}{_tried(text)}", key=key, url=url)
+    return None
+
+
+def translate(err: BaseException, key: str | None, url: str, answer_s: float | None = None) -> BaseException:
+    """obstore's exception for a request on ``key`` as one of ours (``err`` is kept as the
+    cause); ``answer_s``: the seconds one request waits for an answer (for the message)."""
     if isinstance(err, ObjectStoreError):
         return err
     where = url if key is None else f"{key!r} in {url}"
@@ -277,6 +316,10 @@ def translate(err: BaseException, key: str | None, url: str) -> BaseException:
     message = f"{where}: {first}"
     if status is not None and (status >= 500 or status == 429):
         return TransientStoreError(message, key=key, url=url, status=status)
+    if status is None:
+        said = _unreachable(text, first, key, url, answer_s)
+        if said is not None:
+            return said
     if status is None and _TRANSIENT_TEXT.search(text):
         cls = StoreTimeoutError if _TIMEOUT_TEXT.search(text) else TransientStoreError
         return cls(message, key=key, url=url)
@@ -286,7 +329,9 @@ def translate(err: BaseException, key: str | None, url: str) -> BaseException:
 
 
 @contextmanager
-def boundary(key: str | None, url: str, *, making: bool = False) -> Iterator[None]:
+def boundary(
+    key: str | None, url: str, *, making: bool = False, answer_s: float | None = None
+) -> Iterator[None]:
     """Run one obstore call: whatever it raises leaves as :func:`translate` maps it.
 
     A plain context manager, so it wraps awaits as well as blocking calls. With
@@ -298,7 +343,7 @@ def boundary(key: str | None, url: str, *, making: bool = False) -> Iterator[Non
     except Exception as err:
         if making:
             raise ValueError(f"ObjectStore({url!r}): {str(err).splitlines()[0]}") from err
-        mapped = translate(err, key, url)
+        mapped = translate(err, key, url, answer_s)
         if mapped is err:
             raise
         raise mapped from err
