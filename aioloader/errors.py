@@ -150,11 +150,14 @@ class Overloaded(AioLoaderError, RuntimeError):
     503) rather than queue without bound or answer late.
 
     Either ``max_pending`` requests already wait, or the request has a ``deadline`` and
-    the Batcher estimates it would be answered after it. Attributes ``max_pending`` and
-    ``estimate`` (the estimated seconds to an answer; None for a full queue)."""
+    the Batcher estimates it would be answered after it. Attributes ``max_pending``,
+    ``estimate`` (the estimated seconds to an answer; None for a full queue) and
+    ``retry_after`` (seconds after which a retry may be let in, by the same estimate:
+    what a service puts in a ``Retry-After`` header, rounded up)."""
 
     max_pending: int
     estimate: float | None
+    retry_after: float
 
 
 class TooManySkippedError(AioLoaderError, RuntimeError):

@@ -97,6 +97,9 @@ class BatcherStats:
     isolated: int = 0
     """Micro-batches lost to a dying worker or overrunning ``timeout`` whose requests
     then ran one a task, so that only the culprit failed."""
+    cut_for_deadline: int = 0
+    """Micro-batches dispatched below ``batch_size`` because one more request would have
+    made them end past the tightest deadline they carried (by the measured cost per item)."""
 
     def __str__(self) -> str:
         sizes = ", ".join(f"{k}x{v}" for k, v in sorted(self.batch_sizes.items())) or "-"
@@ -110,7 +113,8 @@ class BatcherStats:
             f"  service ms p50/p99/max:    {fmt_ms(*self.service_s)}\n"
             f"  micro-batch sizes (size x count): {sizes}\n"
             f"  retries {self.retries}, pool restarts {self.restarts}, "
-            f"micro-batches run one request a task {self.isolated}"
+            f"micro-batches run one request a task {self.isolated}, "
+            f"cut short for a deadline {self.cut_for_deadline}"
         )
 
 
@@ -376,6 +380,7 @@ class Batcher(LoaderBase, Generic[Batch]):
             retries=self._recorder.retries,
             restarts=self._pool.restarts,
             isolated=self._recorder.isolated,
+            cut_for_deadline=c.cut_short,
         )
 
     def __repr__(self) -> str:

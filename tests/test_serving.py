@@ -563,3 +563,43 @@ def test_submit_sync_after_close_raises_loader_closed(started: str) -> None:
         b.submit_sync(3, timeout=30)
     with pytest.raises(LoaderClosedError):
         asyncio.run(asyncio.wait_for(b.submit(3), 30))
+
+
+# -------------------------------------------------------- deadlines under load
+@pytest.mark.asyncio
+async def test_a_micro_batch_is_sized_to_the_tightest_deadline_it_carries() -> None:
+    # 5 ms an item: a 16-item micro-batch takes 80 ms, more than a 50 ms deadline allows
+    # (40 ms, with the fifth kept spare): it is cut at 8 or fewer, the rest wait.
+    q = _queue(batch_size=16, max_latency=0.0)
+    q.model.item_s = 0.005
+    tight = [await q.put(i, 0, 0.05, True) for i in range(16)]
+    unit = await q.next_unit()
+    assert unit is not None and 1 <= unit.size <= 8, unit.size
+    assert q.counters.cut_short == 1
+    # Without deadlines nothing limits it but batch_size.
+    q2 = _queue(batch_size=16, max_latency=0.0)
+    q2.model.item_s = 0.005
+    loose = [await q2.put(i, 0, None, True) for i in range(16)]
+    unit2 = await q2.next_unit()
+    assert unit2 is not None and unit2.size == 16 and q2.counters.cut_short == 0
+    await q.aclose()
+    await q2.aclose()
+    for f in tight + loose:
+        f.exception() if f.done() else f.cancel()
+
+
+@pytest.mark.asyncio
+async def test_overloaded_says_when_to_retry() -> None:
+    q = _queue(max_pending=2)
+    q.model.item_s, q.model.service_s, q.model.drain_s = 0.010, 0.030, 0.005
+    futures = [await q.put(i, 0, None, False) for i in range(2)]
+    with pytest.raises(Overloaded) as full:
+        await q.put("full", 0, None, False)
+    assert full.value.retry_after == pytest.approx(0.005)
+    q.max_pending = 100
+    with pytest.raises(Overloaded) as late:
+        await q.put("late", 0, 0.02, False)  # about 40 ms ahead of a 20 ms deadline
+    assert late.value.estimate is not None
+    assert late.value.retry_after == pytest.approx(late.value.estimate - 0.02 * 0.8)
+    await q.aclose()
+    assert all(isinstance(f.exception(), LoaderClosedError) for f in futures)

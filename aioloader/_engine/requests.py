@@ -85,6 +85,7 @@ class ServeCounters:
         self.submitted = self.completed = self.failed = self.rejected = self.expired = 0
         self.rejected_late = self.expired_dispatched = 0
         self.cancelled_queued = self.cancelled_dispatched = 0
+        self.cut_short = 0  # micro-batches sized down to the tightest deadline they carried
         self.queue_wait: deque[float] = deque(maxlen=10_000)
         self.service: deque[float] = deque(maxlen=10_000)
         self.sizes: Counter[int] = Counter()
@@ -112,6 +113,7 @@ class RequestQueue:
         self._room: deque[asyncio.Future[None]] = deque()  # blocked submitters, first come first served
         self._woken = 0  # blocked submitters let in but not yet back in put()
         self._filling: list[Request] = []  # the micro-batch being cut (out of the heap)
+        self._full = False  # the micro-batch being cut holds what its deadlines allow
         self.idle: Callable[[], bool] = lambda: False  # is a worker free? (set by the Batcher)
         self.model = CostModel()  # what the pool costs, learnt as it runs
         self._by_priority: Counter[int] = Counter()  # live requests in the heap, by priority
@@ -127,6 +129,7 @@ class RequestQueue:
                     f"the Batcher already holds max_pending={self.max_pending} waiting requests",
                     max_pending=self.max_pending,
                     estimate=None,
+                    retry_after=self._drain_time(1),
                 )
             await self._wait_for_room(called, deadline)
         if self.closed:
@@ -191,8 +194,16 @@ class RequestQueue:
                 f"{deadline} s (admission keeps {HEADROOM:.0%} of a deadline spare)",
                 max_pending=self.max_pending,
                 estimate=expected,
+                retry_after=max(self._drain_time(1), expected - deadline * (1.0 - HEADROOM)),
             )
         return est[0]
+
+    def _drain_time(self, n: int) -> float:
+        """Seconds the pool takes to answer ``n`` requests, by what it measured (a
+        small default before it measured anything)."""
+        model = self.model
+        per = model.drain_s if model.drain_s is not None else model.item_s
+        return max(0.001, n * per) if per is not None else 0.05
 
     def _left(self, req: Request) -> None:
         """``req`` left the heap (dispatched, cancelled or expired there)."""
@@ -264,11 +275,13 @@ class RequestQueue:
                 self._woken += 1
 
     # ---------------------------------------------------------------- dispatch
-    def _pop(self) -> Request | None:
-        """The next live request, taken out of the heap into the micro-batch being cut."""
+    def _pop(self, batch: list[Request] | None = None) -> Request | None:
+        """The next live request, taken out of the heap into the micro-batch being cut;
+        ``None`` also when it would not fit in ``batch`` (see :meth:`_fits`): it stays."""
         heap = self.heap
         while heap:
-            req = heapq.heappop(heap)[2]
+            entry = heapq.heappop(heap)
+            req = entry[2]
             # A future cancelled or expired a moment ago is skipped even before its done
             # callback (which does the accounting) has run.
             if req.state != _QUEUED or req.future.done():
@@ -276,10 +289,29 @@ class RequestQueue:
             if self._too_late(req):
                 self._expire(req, "had less time left than one item takes a worker")
                 continue  # (its done callback does the accounting)
+            if batch and not self._fits(batch, req):
+                heapq.heappush(heap, entry)
+                self._full = True
+                return None
             req.state = _FILLING
             self._left(req)
             return req
         return None
+
+    def _fits(self, batch: list[Request], req: Request) -> bool:
+        """May ``req`` join ``batch``? Not if the micro-batch, one item longer, would no
+        longer end in time for the tightest deadline it would carry (its measured cost
+        per item, keeping the admission's spare share of the time left)."""
+        item_s = self.model.item_s
+        if item_s is None:
+            return True
+        dues = [r.due for r in batch if r.due is not None]
+        if req.due is not None:
+            dues.append(req.due)
+        if not dues:
+            return True
+        left = (min(dues) - _clock()) * (1.0 - HEADROOM)
+        return (len(batch) + 1) * item_s <= left
 
     def _too_late(self, req: Request) -> bool:
         item_s = self.model.item_s
@@ -301,12 +333,16 @@ class RequestQueue:
                 self._arrival = loop.create_future()
                 await self._arrival
             until = batch[0].arrived + self.max_latency
+            self._full = False
             while len(batch) < self.batch_size:
-                req = self._pop()
+                req = self._pop(batch)
                 if req is not None:
                     batch.append(req)
                     self._make_room()
                     continue
+                if self._full:  # sized to its tightest deadline: it goes now
+                    self.counters.cut_short += 1
+                    break
                 # Waiting to fill only pays while every worker is busy: with one idle, the
                 # requests at hand go now (low load adds no batching delay).
                 now = _clock()
