@@ -39,7 +39,8 @@ Workloads:
    spawns, which imports the dataset's modules again).
 
 Three more run only when named in ``--workloads`` (or with ``--workloads all``), each
-beside ``torch-numpy``:
+beside ``torch-numpy``; ``iterable`` and ``hfstream`` also beside ``torch-persistent``,
+which gives the same tensors as aioloader gives a torch ``IterableDataset``:
 
 6. ``iterable``: a torch ``IterableDataset`` of 100,000 ints that each worker splits with
    ``get_worker_info()``, batch 64 -> batches/s (4 epochs; quick: 3);
