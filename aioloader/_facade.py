@@ -227,7 +227,7 @@ class LoaderBase:
         timeouts, decoding, statistics and the lifecycle, which every face has, and in
         ``face`` what only some have (``fetch``, ``group``, ``fail_fast``)."""
         return RunConfig(
-            kind=self._kind, pool=self._pool, prefetch=self.prefetch, ordered=ordered, timeout=self.timeout,
+            kind=self._kind, pool=self._pool, prefetch=self.prefetch, ordered=ordered, timeout=self.timeout or None,
             max_retries=self.max_retries, decode=self._transport.decode, recorder=self._recorder,
             is_closed=self._shared.is_closed, **face,
         )  # fmt: skip

@@ -109,6 +109,8 @@ class IterableDataLoader(DataLoader[Any]):
     ``num_workers=0`` iterates in one background thread.
     """
 
+    _shards_by_rank = False  # the dataset splits its data by rank itself, as with torch
+
     def __init__(self, dataset: Any, *args: Any, **kwargs: Any) -> None:
         # torch's positional order is DataLoader's: bind it, then read every argument by name.
         bound = _SIGNATURE.bind(self, dataset, *args, **kwargs).arguments
@@ -127,6 +129,9 @@ class IterableDataLoader(DataLoader[Any]):
         # The DataLoader's own validation, on a stand-in map-style dataset of length 0:
         # every other argument means the same here.
         super().__init__(_NoSamples(), batch_size, **kwargs)
+        # No indices to sample: torch's samplers here would be endless placeholders.
+        object.__setattr__(self, "sampler", None)
+        object.__setattr__(self, "batch_sampler", None)
         # A shard task sends its batches itself (no grouping); the window still grows
         # while they are cheap, as a DataLoader's does.
         self._group = self._recorder.group = None
@@ -193,7 +198,7 @@ class IterableDataLoader(DataLoader[Any]):
             side = WorkerSide(self._token, self.seed, self._shared.get_payload)
             source = ShardSource(
                 side, self._pool, self._recorder, position,
-                timeout=self.timeout, max_retries=self.max_retries, is_closed=self._shared.is_closed,
+                timeout=self.timeout or None, max_retries=self.max_retries, is_closed=self._shared.is_closed,
             )  # fmt: skip
             run = Run(self._run_config(), source)
             self._runs.add(run)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import inspect
 import os
+import secrets
 import sys
 import warnings
 from collections.abc import Callable
@@ -26,10 +27,14 @@ from .errors import OversubscribedWarning
 __all__ = [
     "PinningPass",
     "TorchArgs",
+    "default_seed",
+    "distributed_world",
     "pin_tensors",
+    "rank_aware",
     "resolve_torch_args",
     "seed_from_generator",
     "warn_if_oversubscribed",
+    "warn_unsharded",
     "workers_of",
 ]
 
@@ -57,6 +62,59 @@ def seed_from_generator(generator: Any) -> int:
         )
     drawn = torch.empty((), dtype=torch.int64).random_(generator=generator).item()
     return int(drawn) & _SEED_MASK
+
+
+def default_seed() -> int:
+    """The seed of a loader built with ``seed=None``.
+
+    Where torch is imported it is drawn from torch's global generator, as torch's
+    ``RandomSampler`` draws its own, so ``torch.manual_seed`` fixes the order. Elsewhere
+    it is random."""
+    torch = sys.modules.get("torch")
+    if torch is None or not callable(getattr(torch, "empty", None)):  # absent, or half imported
+        return secrets.randbits(63)
+    return int(torch.empty((), dtype=torch.int64).random_().item()) & _SEED_MASK
+
+
+def distributed_world() -> tuple[int, int] | None:
+    """``(rank, world_size)`` of the default ``torch.distributed`` process group, or
+    ``None`` when none is initialized. It never imports torch."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None:
+        return None
+    try:
+        if not dist.is_available() or not dist.is_initialized():
+            return None
+        return int(dist.get_rank()), int(dist.get_world_size())
+    except (RuntimeError, ValueError):  # a group torn down meanwhile
+        return None
+
+
+_RANK_FIELDS = ("num_replicas", "world_size", "num_processes")
+
+
+def rank_aware(sampler: Any) -> bool:
+    """Whether ``sampler`` (or the sampler a batch sampler wraps) splits its indices by
+    rank: torch's ``DistributedSampler`` and its kin, aioloader's, accelerate's shards."""
+    for obj in (sampler, getattr(sampler, "sampler", None)):
+        if obj is not None and any(isinstance(getattr(obj, f, None), int) for f in _RANK_FIELDS):
+            return True
+    return False
+
+
+def warn_unsharded(rank: int, world: int, why: str, fix: str) -> None:
+    """The warning for a loader that gives every rank the whole dataset."""
+    level, frame = 1, inspect.currentframe()
+    here = os.path.dirname(__file__)
+    while frame is not None and os.path.dirname(frame.f_code.co_filename) == here:
+        level, frame = level + 1, frame.f_back
+    warnings.warn(
+        f"aioloader: torch.distributed runs with {world} ranks (this is rank {rank}) and {why}, "
+        f"so every rank may read the whole dataset. {fix}. Pass shard=(0, 1) to keep the "
+        "whole dataset on every rank and silence this warning",
+        UserWarning,
+        stacklevel=level,
+    )
 
 
 def pin_tensors(batch: Any, device: str) -> Any:

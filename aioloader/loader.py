@@ -14,7 +14,6 @@ import concurrent.futures as cf
 import dataclasses
 import functools
 import os
-import secrets
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from multiprocessing.context import BaseContext
@@ -29,8 +28,18 @@ from ._engine.run import Run
 from ._engine.units import RunConfig
 from ._facade import IterableLoader, Lifecycle, Pass
 from ._plan.sampler import BatchPlanner, LastBatch, ShardPolicy, dataset_length, plan_ahead
+from ._plan.views import EpochBatchSampler, EpochCell, EpochSampler
 from ._pool import WorkerPool
-from ._torch_compat import PinningPass, resolve_torch_args, warn_if_oversubscribed, workers_of
+from ._torch_compat import (
+    PinningPass,
+    default_seed,
+    distributed_world,
+    rank_aware,
+    resolve_torch_args,
+    warn_if_oversubscribed,
+    warn_unsharded,
+    workers_of,
+)
 from ._transport import TransportKind
 from ._types import Batch, BatchSampler, CollateFn, MapDataset, Sampler
 from ._validate import (
@@ -44,6 +53,7 @@ from ._validate import (
     check_shard,
     check_unbatched,
     is_iterable_dataset,
+    resolve_context,
 )
 from ._worker import tasks as _tasks
 from .errors import PoolBrokenError
@@ -93,18 +103,25 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
             ``batches_per_task``); ``stats().window`` says where it is. An int fixes it.
         timeout: seconds a batch may take from the moment a worker starts it; on expiry
             :class:`~aioloader.LoaderTimeout` is raised and the worker is killed. ``None``
-            or ``0`` (torch's default): none.
+            or ``0`` (torch's default): none; ``loader.timeout`` is then ``0``, as in torch.
         worker_init_fn: called once in each worker with the worker's id. A seed it sets
             for ``random``, numpy or torch is replaced by the per-batch seeding; pass
             ``seed_samples=False`` to keep it.
         mp_context: start method name or context (default ``forkserver``, else ``spawn``).
-        seed: seeds the shuffle and the samples' randomness; ``None`` draws one (``loader.seed``).
+        seed: seeds the shuffle and the samples' randomness; ``None`` draws one (``loader.seed``)
+            from torch's global generator where torch is imported (so ``torch.manual_seed``
+            fixes it, as it fixes torch's ``RandomSampler``), else at random; ``0`` where
+            the loader shards by rank on its own (every rank must agree).
         ordered: deliver batches in sampler order (``True``, the default) or as they complete.
         on_error: ``"raise"`` the first exception from the dataset, or ``"skip"`` the
             failing samples (counted; see ``max_skipped``).
         max_skipped: with ``on_error="skip"``, raise once more than this failed in an epoch.
         max_retries: resubmissions of a batch whose worker died while building it.
-        shard: ``(rank, world_size)`` for data-parallel training.
+        shard: ``(rank, world_size)`` for data-parallel training. ``None``: where
+            ``torch.distributed`` is initialized with several ranks (at construction or
+            at the first use) and no sampler is given, ``(rank, world_size)`` of the
+            default process group; a sampler that does not split by rank warns. ``(0, 1)``:
+            every rank reads the whole dataset. See :doc:`training-frameworks`.
         shard_policy: ``"pad"``, ``"drop"`` or ``"uneven"`` (see :doc:`determinism`).
         transport: ``"auto"``, ``"shm"`` or ``"pickle"``.
         pool: a :class:`~aioloader.WorkerPool` to share with other loaders.
@@ -151,6 +168,10 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
             to spare the consumer's process a task's cost per batch. See :doc:`performance`.
 
     The positional parameters are torch's, in torch's order; aioloader's are keyword-only.
+    torch's attributes read back as torch's do: ``sampler`` and ``batch_sampler`` are
+    views of this loader's order for its rank (a torch loader built on them reads the same
+    batches), ``timeout``, ``generator``, ``prefetch_factor``, ``persistent_workers``,
+    ``multiprocessing_context`` and ``in_order`` hold torch's values.
     A failed batch raises; ``next()`` again gives the next one, as torch's; ``async for`` ends.
 
     Two spellings of one setting (``prefetch``/``prefetch_factor``, ``ordered``/``in_order``,
@@ -159,6 +180,7 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
     """
 
     _kind = "DataLoader"
+    _shards_by_rank = True  # an iterable dataset's loader splits nothing by rank itself
     # The class that iterates a torch IterableDataset in the workers themselves: set by
     # aioloader._iterloader, which subclasses this one, as it is imported.
     _iterable_cls: type[DataLoader[Any]] | None = None
@@ -227,6 +249,7 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
             persistent_workers=persistent_workers, pin_memory=pin_memory, pin_memory_device=pin_memory_device,
         )  # fmt: skip
         seed = torch_args.seed
+        seed_given = seed is not None
         prefetch_next_epoch = check_bool("prefetch_next_epoch", prefetch_next_epoch)
         seed_mode = check_seed_samples(seed_samples)
         last_batch = check_sampling(batch_size_given, shuffle, sampler, batch_sampler, last_batch, drop_last)
@@ -236,6 +259,7 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
         if type(timeout) in (int, float) and timeout == 0:
             timeout = None  # torch's default, 0, means no timeout
         timeout = check_seconds("timeout", timeout, allow_zero=False)
+        shard_given = shard is not None
         if seed is not None:
             seed = check_int("seed", seed, 0)
         check_choice("on_error", on_error, ("raise", "skip"))
@@ -253,13 +277,11 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
         self._keys = keys  # what is indexed: the dataset, or the items a remote dataset fetches
         self.batch_size: int | None = None if unbatched else batch_size
         self.shuffle = shuffle
-        self.sampler = sampler
-        self.batch_sampler = batch_sampler
         self.last_batch: LastBatch = last_batch
         self.collate_fn = (
             collate_fn if collate_fn is not None else default_convert if unbatched else default_collate
         )
-        self.timeout = timeout
+        self.timeout: float = 0 if timeout is None else timeout  # torch's value for none is 0
         self.worker_init_fn = worker_init_fn
         self.ordered: bool = torch_args.ordered
         self.pin_memory = bool(pin_memory)
@@ -271,7 +293,11 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
         self.shard_policy: ShardPolicy = shard_policy
         self.prefetch_next_epoch = prefetch_next_epoch
         self.seed_samples = seed_mode
-        self.seed: int = seed if seed is not None else secrets.randbits(63)
+        self.seed: int = seed if seed is not None else default_seed()
+        # What torch's loader reads back as it was given (tools rebuild loaders from them).
+        self.generator = generator
+        self.persistent_workers = bool(persistent_workers)
+        context = torch_args.mp_context if multiprocessing_context is None else multiprocessing_context
         if pool is None and executor is None:
             warn_if_oversubscribed(num_workers)
         self._setup(
@@ -283,16 +309,33 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
         )
         if self._group is not None and self._group.grow:  # slabs for the window it may grow to
             self._transport.allow_growth(self._group.most, WINDOW_BUDGET)
+        self.prefetch_factor: int | None = None
+        self.multiprocessing_context: BaseContext | None = None
+        if self.num_workers > 0:
+            self.prefetch_factor = 2 if prefetch_factor is None else prefetch_factor
+            self.multiprocessing_context = None if context is None else resolve_context(context)
         self._planner = BatchPlanner(
             length, batch_size=batch_size, shuffle=shuffle, sampler=sampler, batch_sampler=batch_sampler,
             last_batch=last_batch, seed=self.seed, shard=self.shard, shard_policy=shard_policy,
             keyed=unbatched and fetch is None,
         )  # fmt: skip
+        # torch's attributes: the objects a torch loader would hold, in aioloader's order.
+        self._cell = EpochCell()
+        self.sampler = sampler if sampler is not None else EpochSampler(self._planner, self._keys, self._cell)
+        self.batch_sampler = batch_sampler
+        if batch_sampler is None and not unbatched:
+            self.batch_sampler = EpochBatchSampler(self._planner, self._keys, self._cell, self.sampler)
+        # Sharding by rank: decided here, or at the first use if torch.distributed starts later.
+        self._by_rank = not shard_given and self._shards_by_rank
+        self._seed_given = seed_given
+        self._ranks_settled = False
+        self._ranks_warned = False
         self._next = Cursor(0)  # where the next fresh iteration starts
         self._active: EpochPass | None = None  # the newest iteration, for state_dict()
         self._parked: Parked | None = None  # a run that went on into self._next's epoch
         self._sources: weakref.WeakSet[EpochSource] = weakref.WeakSet()
         self._initialized = True
+        self._settle_ranks()
 
     def __iter__(self) -> Iterator[Batch]:
         return super().__iter__()
@@ -313,6 +356,55 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
     def drop_last(self) -> bool:
         """torch's spelling: ``last_batch == "discard"``."""
         return self.last_batch == "discard"
+
+    @property
+    def in_order(self) -> bool:
+        """torch's spelling of ``ordered``."""
+        return self.ordered
+
+    # ------------------------------------------------------------ ranks
+    def _settle_ranks(self, *, final: bool = False) -> None:
+        """Shard by rank where ``torch.distributed`` runs with several ranks and nothing
+        else splits the data; warn where that cannot be known. Until the first
+        iteration (``final``) a loader built before the process group waits for it."""
+        if self._ranks_settled:
+            self._warn_late()
+            return
+        world = distributed_world()
+        if world is None or world[1] == 1:
+            self._ranks_settled = final
+            return
+        self._ranks_settled = True
+        if not self._by_rank:
+            return
+        rank, size = world
+        custom = self._planner.custom
+        if custom is not None:
+            if not rank_aware(custom):
+                name = "sampler" if self._planner.sampler is not None else "batch_sampler"
+                warn_unsharded(
+                    rank, size, f"this loader's {name} ({type(custom).__name__}) does not split by rank",
+                    f"Pass a DistributedSampler, or shard=({rank}, {size}) to split the {name}'s output",
+                )  # fmt: skip
+            return
+        # Every rank must draw the same order without talking: a seed they all share.
+        if not self._seed_given:
+            self.seed = self._planner.seed = 0  # torch's DistributedSampler's default seed
+        self.shard = (rank, size)
+        self._planner.rank, self._planner.world_size = rank, size
+
+    def _warn_late(self) -> None:
+        """Warn once if the process group started after this loader's first epoch."""
+        if self._ranks_warned or not self._by_rank or self.shard[1] > 1 or self._planner.custom is not None:
+            return
+        world = distributed_world()
+        if world is not None and world[1] > 1:
+            self._ranks_warned = True
+            warn_unsharded(
+                world[0], world[1], "this loader ran its first epoch before the process group started",
+                "Build the loader after torch.distributed.init_process_group (Lightning, accelerate "
+                "and torchrun do that first), or pass shard=(rank, world_size)",
+            )  # fmt: skip
 
     # -------------------------------------------------------------------- payload
     def _worker_collate(self) -> Callable[[list[Any]], Any]:
@@ -352,6 +444,7 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
     def __len__(self) -> int:
         """Number of batches in the next epoch (for ``len(dataset)`` as it is now, unless
         the next epoch is one resumed mid-way, which keeps its recorded length)."""
+        self._settle_ranks()
         nxt = self._next
         return self._planner.num_batches(len(nxt.carry), self._epoch_length(nxt))
 
@@ -380,7 +473,11 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
             if epoch == nxt.epoch and nxt.fresh:
                 return  # already next: keep a run that went on into this epoch
             self._next = Cursor(epoch, nxt.carry)
+            self._cell.epoch = epoch
             self._forget_runs()
+
+    def _epoch_changed(self, epoch: int) -> None:
+        self._cell.epoch = epoch
 
     def _forget_runs(self) -> None:
         parked, self._parked = self._parked, None
@@ -392,7 +489,9 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
         await self._open()
         with self._lock:
             self._check_open()
+            self._settle_ranks(final=True)
             cur = self._next
+            self._cell.epoch = cur.epoch
             parked, self._parked = self._parked, None
             if parked is not None and self._parked_fits(parked, cur, asyncio.get_running_loop()):
                 run, source = parked.run, parked.source
@@ -452,6 +551,8 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
             if keep:
                 self._forget_runs()
                 self._parked = Parked(p.run, p.source, p.successor)
+            if p.left == 0 and self._next is p.successor:
+                self._cell.epoch = p.successor.epoch
             return keep
 
     def __repr__(self) -> str:

@@ -221,3 +221,10 @@ class UnreadableAt(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
         for i in range(wid, self.n, nw):
             yield FailsInMain(self.consumer_pid, i) if i == self.at else i
+
+
+class TorchThreads(RangeDataset):
+    """Sample ``i`` is ``(torch.get_num_threads(), i)``: the intra-op threads where it was read."""
+
+    def __getitem__(self, i: int) -> Any:
+        return torch.get_num_threads(), i

@@ -132,7 +132,7 @@ def test_multiprocessing_context_conflicts_and_bad_values() -> None:
 # -------------------------------------------------------------------------- timeout
 def test_timeout_zero_means_no_timeout_as_in_torch(collect) -> None:
     with aioloader.DataLoader(RangeDataset(6), 3, timeout=0) as loader:
-        assert loader.timeout is None
+        assert loader.timeout == 0 and type(loader.timeout) is int
         assert ids_of(collect(loader)) == [[0, 1, 2], [3, 4, 5]]
     for bad in (-1, float("nan"), False):
         with pytest.raises(ValueError, match="timeout"):
@@ -344,3 +344,74 @@ def test_pin_memory_reaches_every_tensor_of_a_batch(collect, monkeypatch: pytest
     assert aioloader._torch_compat.pin_tensors((torch.zeros(1), [torch.ones(1)], "x"), "")[1][
         0
     ].pinned_by_test
+
+
+# ----------------------------------------------------- torch's attributes and habits
+@pytest.mark.torch
+def test_torchs_attributes_rebuild_a_torch_loader_with_our_batches(collect) -> None:
+    # What accelerate's skip_first_batches does: a torch loader from this one's attributes.
+    import torch
+
+    with aioloader.DataLoader(RangeDataset(10), 3, shuffle=True, num_workers=1, seed=4) as loader:
+        assert loader.timeout == 0 and loader.generator is None and loader.in_order is True
+        assert loader.persistent_workers is False and loader.prefetch_factor == 2
+        assert loader.multiprocessing_context is None
+        assert len(loader.sampler) == 10 and len(loader.batch_sampler) == len(loader) == 4
+        assert loader.batch_sampler.batch_size == 3 and loader.batch_sampler.drop_last is False
+        planned = list(loader.batch_sampler)  # epoch 0, as the loader will run it
+        assert [i for b in planned for i in b] == list(loader.sampler)
+        rebuilt = torch.utils.data.DataLoader(
+            loader.dataset, batch_sampler=loader.batch_sampler, timeout=loader.timeout,
+            num_workers=loader.num_workers, collate_fn=loader.collate_fn, pin_memory=loader.pin_memory,
+            worker_init_fn=loader.worker_init_fn, multiprocessing_context=loader.multiprocessing_context,
+            generator=loader.generator, prefetch_factor=loader.prefetch_factor,
+            persistent_workers=loader.persistent_workers, in_order=loader.in_order,
+        )  # fmt: skip
+        theirs = [b[1].tolist() for b in rebuilt]
+        ours = ids_of(collect(loader))
+        assert ours == theirs == planned and sorted(flat(ours)) == list(range(10))
+        assert list(loader.batch_sampler) != planned  # now it shows epoch 1, the next one
+        loader.batch_sampler.set_epoch(0)  # pinned, as DistributedSampler.set_epoch pins it
+        assert list(loader.batch_sampler) == planned and loader.epoch == 1
+    ctx = mp.get_context("spawn")
+    with aioloader.DataLoader(
+        RangeDataset(4), 2, num_workers=1, prefetch_factor=3, persistent_workers=True,
+        multiprocessing_context="spawn", in_order=False, timeout=5,
+    ) as loader:  # fmt: skip
+        assert loader.prefetch_factor == 3 and loader.persistent_workers is True
+        assert loader.multiprocessing_context is ctx and loader.in_order is False and loader.timeout == 5
+    # given samplers are kept; batch_size=None has no batch sampler, as in torch
+    sampler = [3, 1, 2, 0]
+    with aioloader.DataLoader(RangeDataset(4), 2, sampler=sampler) as loader:
+        assert loader.sampler is sampler and list(loader.batch_sampler) == [[3, 1], [2, 0]]
+    with aioloader.DataLoader(RangeDataset(4), batch_sampler=[[0], [1, 2]]) as loader:
+        assert loader.batch_sampler == [[0], [1, 2]]
+    with aioloader.DataLoader(RangeDataset(4), None) as loader:
+        assert loader.batch_sampler is None and list(loader.sampler) == [0, 1, 2, 3]
+
+
+@pytest.mark.torch
+def test_torch_manual_seed_fixes_the_shuffle(collect) -> None:
+    import torch
+
+    def order(seed: int) -> list[list[int]]:
+        torch.manual_seed(seed)
+        with aioloader.DataLoader(RangeDataset(30), 5, shuffle=True) as loader:
+            return ids_of(collect(loader))
+
+    assert order(0) == order(0) != order(1)
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("num_workers", [0, 2], ids=["thread", "processes"])
+def test_workers_give_torch_one_thread_as_torchs_do(collect, num_workers: int) -> None:
+    import torch
+
+    from ._torch_datasets import TorchThreads
+
+    before = torch.get_num_threads()
+    with aioloader.DataLoader(TorchThreads(8), 2, num_workers=num_workers) as loader:
+        threads = {int(t) for b in collect(loader) for t in b[0]}
+    # owned workers: one thread; the loader's own thread shares this process's setting
+    assert threads == ({1} if num_workers else {before})
+    assert torch.get_num_threads() == before

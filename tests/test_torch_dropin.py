@@ -74,7 +74,7 @@ def test_torch_positional_call(collect, face: str) -> None:
     # DataLoader(dataset, batch_size, shuffle, sampler, batch_sampler, num_workers,
     # collate_fn, pin_memory, drop_last, timeout, worker_init_fn)
     with aioloader.DataLoader(RangeDataset(10), 4, True, None, None, 0, None, False, True, 0, None) as loader:
-        assert loader.shuffle is True and loader.drop_last and loader.timeout is None
+        assert loader.shuffle is True and loader.drop_last and loader.timeout == 0
         got = ids_of(collect(loader))
     assert [len(b) for b in got] == [4, 4]
     assert sorted(i for b in got for i in b) != list(range(8)) or got != [[0, 1, 2, 3], [4, 5, 6, 7]]

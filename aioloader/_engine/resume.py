@@ -60,6 +60,8 @@ def cursor_from_state(
             f"state version {state.get('version')!r} is not supported (expected {STATE_VERSION})"
         )
     for key, value in identity.items():
+        if key == "shard" and _another_rank(state, value):
+            continue
         if state.get(key) != value:
             raise StateDictError(
                 f"state dict does not match this loader: {key} is {state.get(key)!r} in the state "
@@ -102,6 +104,20 @@ def cursor_from_state(
     return seed, Cursor(epoch, carry, prefix, frozenset(after), sampler_state, length if begun else None)
 
 
+def _another_rank(state: dict[str, Any], shard: list[int]) -> bool:
+    """A state from another rank of the same world, which this rank may load: ranks
+    step in lockstep, and a framework saves rank 0's state for all (Lightning does).
+    Rolled-over samples belong to one rank, so such a state must have none."""
+    theirs = state.get("shard")
+    return (
+        isinstance(theirs, list)
+        and len(theirs) == 2
+        and theirs[1] == shard[1]
+        and theirs[0] != shard[0]
+        and not state.get("rollover")
+    )
+
+
 class Resumable:
     """The DataLoader's ``state_dict()`` and ``load_state_dict()`` (a mixin; the fields
     of the facade it reads are declared here)."""
@@ -121,6 +137,12 @@ class Resumable:
     def _forget_runs(self) -> None:
         raise NotImplementedError
 
+    def _settle_ranks(self, *, final: bool = False) -> None:
+        """Decide the shard by rank before the state is read or written."""
+
+    def _epoch_changed(self, epoch: int) -> None:
+        """Told the epoch the next iteration runs, after a state was loaded."""
+
     def _check_open(self) -> None:
         raise NotImplementedError
 
@@ -131,6 +153,7 @@ class Resumable:
     def state_dict(self) -> dict[str, Any]:
         """A small JSON-serialisable snapshot: loading it into a new loader with the same
         dataset and arguments makes its next batch the one this loader would yield next."""
+        self._settle_ranks()
         with self._lock:
             p = self._active
             if p is not None and p.cursor.delivered < p.n:
@@ -157,6 +180,7 @@ class Resumable:
         Raises :class:`~aioloader.StateDictError` naming the first mismatch when the
         state comes from an incompatible loader.
         """
+        self._settle_ranks()
         seed, cursor = cursor_from_state(
             state,
             self._identity(),
@@ -170,3 +194,4 @@ class Resumable:
             self._forget_runs()
             self._next = cursor
             self._active = None
+            self._epoch_changed(cursor.epoch)

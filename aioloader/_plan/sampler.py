@@ -308,7 +308,8 @@ class BatchPlanner:
         """The user's sampler or batch sampler, if any."""
         return self.batch_sampler if self.batch_sampler is not None else self.sampler
 
-    def _order(self, epoch: int, n: int) -> _Order:
+    def order(self, epoch: int, n: int) -> _Order:
+        """This rank's order of epoch ``epoch`` for ``n`` samples (no batching)."""
         if self.sampler is not None:
             _set_epoch(self.sampler, epoch)
             order = sampler_keys(self.sampler, n) if self.keyed else sampler_order(self.sampler, n)
@@ -348,7 +349,7 @@ class BatchPlanner:
 
     def _ordered_plan(self, epoch: int, carry_in: Any, n: int) -> EpochPlan:
         empty = np.zeros(0, dtype=np.int64)
-        order = self._order(epoch, n)
+        order = self.order(epoch, n)
         carry = self._carry(carry_in, n)
         total = len(carry) + order.count
         end = total if self.last_batch == "keep" else total - total % self.batch_size

@@ -152,6 +152,18 @@ _contexts: OrderedDict[str, WorkerContext] = OrderedDict()
 _contexts_lock = threading.Lock()
 
 _startup_error: BaseException | None = None  # what kept this worker's start from finishing
+# An owned worker gives torch one intra-op thread, as torch's workers do, once torch is
+# imported here (by the dataset's module, say). This module never imports it.
+_torch_threads_pending = False
+
+
+def _one_torch_thread() -> None:
+    global _torch_threads_pending
+    torch = sys.modules.get("torch")
+    if torch is None or not callable(getattr(torch, "set_num_threads", None)):
+        return
+    _torch_threads_pending = False
+    torch.set_num_threads(1)
 
 
 def install_context(token: str, ctx: WorkerContext) -> None:
@@ -220,7 +232,8 @@ def worker_main(
     Starting never raises: a payload that cannot be loaded fails the tasks of its
     loader; anything else fails every task of this worker, each time with the worker's
     own exception (a worker that died here would only be started again, for ever)."""
-    global _startup_error
+    global _startup_error, _torch_threads_pending
+    _torch_threads_pending = True
     fd = channel if isinstance(channel, int) else channel.fileno()
     # Ctrl-C reaches the whole process group; only the consumer should react to it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -246,6 +259,8 @@ def worker_main(
             except DatasetPickleError as exc:
                 _load_errors[token] = exc.__cause__ or exc
                 continue
+            if _torch_threads_pending:  # before worker_init_fn, which may set its own
+                _one_torch_thread()
             _run_init(ctx)
         del payloads
     except BaseException as exc:
@@ -333,6 +348,8 @@ def _run_in(
     ctx: WorkerContext, task: Any, build: Callable[[Any, Any], tuple[Any, ...]], result: Callable[..., R]
 ) -> R:
     """:func:`run_task` once the context is loaded (the slot marked ``ACCEPTED``)."""
+    if _torch_threads_pending:
+        _one_torch_thread()
     if not ctx.init_done:
         _run_init(ctx)
     if ctx.init_error is not None:
