@@ -103,10 +103,84 @@ def plain() -> dict[str, Any]:
     return got
 
 
+def with_accelerate() -> dict[str, Any]:
+    """accelerate's prepare(), a short training loop, then skip_first_batches."""
+    from accelerate import Accelerator
+    from accelerate import skip_first_batches as accelerate_skip
+
+    from aioloader.integrations import skip_first_batches, to_device
+
+    accelerator = Accelerator(cpu=True)  # starts the gloo process group (torchrun's env)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = to_device(aioloader.DataLoader(Tensors(), 4, shuffle=True, num_workers=1), accelerator.device)
+    model, opt, loader = accelerator.prepare(model, opt, loader)
+    got: dict[str, Any] = {"rank": accelerator.process_index, "shard": list(loader.shard)}
+    seen, devices = [], set()
+    for x, i in loader:
+        devices.add(str(x.device))
+        opt.zero_grad()
+        accelerator.backward(model(x).sum())
+        opt.step()
+        seen.extend(i.tolist())
+    got["epoch0"], got["devices"], got["device"] = seen, sorted(devices), accelerator.device.type
+    # Resuming epoch 1 two batches in: accelerate's way (a torch loader rebuilt from this
+    # one's batch_sampler and attributes), then aioloader's (the loader itself).
+    got["accelerate_skip"] = ids(accelerate_skip(loader, 2))
+    got["epoch1"] = ids(loader, "async for")
+    got["epoch2_planned"] = [i for b in loader.batch_sampler for i in b]
+    got["aioloader_skip"] = ids(skip_first_batches(loader, 2))
+    loader.close()
+    return got
+
+
+def with_lightning(out: Path) -> dict[str, Any]:
+    """Trainer(devices=2, strategy="ddp"): fit 2 epochs with a checkpoint at step 7,
+    then fit again from that checkpoint."""
+    import lightning as L
+
+    class Model(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 1)
+            self.seen: list[list[int]] = []
+
+        def training_step(self, batch: Any, k: int) -> Any:
+            x, i = batch
+            self.seen.append(i.tolist())
+            return self.layer(x).sum()
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+        def train_dataloader(self) -> Any:
+            return aioloader.DataLoader(Tensors(), 4, shuffle=True)
+
+    def trainer(**kw: Any) -> Any:
+        return L.Trainer(
+            devices=2, strategy="ddp", accelerator="cpu", max_epochs=2, logger=False,
+            enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(out), **kw,
+        )  # fmt: skip
+
+    every = L.pytorch.callbacks.ModelCheckpoint(
+        dirpath=str(out), filename="mid", every_n_train_steps=7, save_top_k=-1
+    )
+    full = Model()
+    trainer(callbacks=[every]).fit(full)
+    resumed = Model()
+    trainer(enable_checkpointing=False).fit(resumed, ckpt_path=str(out / "mid.ckpt"))
+    return {"rank": dist.get_rank(), "full": full.seen, "resumed": resumed.seen}
+
+
 def main() -> None:
     scenario, out = sys.argv[1], Path(sys.argv[2])
     try:
-        got = {"plain": plain}[scenario]()
+        if scenario == "accelerate":
+            got = with_accelerate()
+        elif scenario == "lightning":
+            got = with_lightning(out)
+        else:
+            got = {"plain": plain}[scenario]()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
