@@ -106,7 +106,7 @@ class Portal:
         # this call once per batch.
         call = _Call(coro)
         try:
-            self.loop.call_soon_threadsafe(call.start, self.loop)
+            self.loop.call_soon_threadsafe(call.start, self)
         except BaseException:  # the loop is closed: the coroutine will never run
             coro.close()
             raise
@@ -254,12 +254,15 @@ class _Call:
         self.cancelled = False
         self.task: asyncio.Task[None] | None = None
 
-    def start(self, loop: asyncio.AbstractEventLoop) -> None:  # on the loop
-        if self.cancelled:  # the caller gave up before the loop got here
+    def start(self, portal: Portal) -> None:  # on the loop
+        if self.cancelled or portal._closed:
+            # The caller gave up before the loop got here, or the portal is closing: a
+            # task made now could outlive the loop (it would be destroyed pending).
             self.coro.close()
+            self.error = asyncio.CancelledError()
             self.done.release()
             return
-        self.task = loop.create_task(self._run())
+        self.task = portal.loop.create_task(self._run())
 
     def cancel(self) -> None:  # on the loop
         self.cancelled = True
