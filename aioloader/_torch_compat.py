@@ -102,18 +102,25 @@ def rank_aware(sampler: Any) -> bool:
     return False
 
 
-def warn_unsharded(rank: int, world: int, why: str, fix: str) -> None:
-    """The warning for a loader that gives every rank the whole dataset."""
-    level, frame = 1, inspect.currentframe()
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning at the user's call, past aioloader's own
+    frames (those of this folder)."""
+    level, frame = 2, inspect.currentframe()
+    frame = frame.f_back if frame is not None else None  # the caller of this helper
     here = os.path.dirname(__file__)
     while frame is not None and os.path.dirname(frame.f_code.co_filename) == here:
         level, frame = level + 1, frame.f_back
+    return level - 1
+
+
+def warn_unsharded(rank: int, world: int, why: str, fix: str) -> None:
+    """The warning for a loader that gives every rank the whole dataset."""
     warnings.warn(
         f"aioloader: torch.distributed runs with {world} ranks (this is rank {rank}) and {why}, "
         f"so every rank may read the whole dataset. {fix}. Pass shard=(0, 1) to keep the "
         "whole dataset on every rank and silence this warning",
         UserWarning,
-        stacklevel=level,
+        stacklevel=_user_stacklevel(),
     )
 
 
@@ -221,17 +228,12 @@ def warn_if_oversubscribed(num_workers: Any) -> None:
     cpus, why = available_cpus()
     if workers <= cpus:
         return
-    # Point at the user's DataLoader(...) call, past aioloader's own frames.
-    level, frame = 1, inspect.currentframe()
-    here = os.path.dirname(__file__)
-    while frame is not None and os.path.dirname(frame.f_code.co_filename) == here:
-        level, frame = level + 1, frame.f_back
     warnings.warn(
         f"This DataLoader will create {workers} worker processes in total, more than the {cpus} CPUs "
         f"this process may use ({why}): the workers would take turns on them, which makes loading "
         "slower. Lower num_workers, or pass num_workers='auto' for one per CPU",
         OversubscribedWarning,
-        stacklevel=level,
+        stacklevel=_user_stacklevel(),
     )
 
 
