@@ -96,14 +96,11 @@ class WorkerPool(cf.Executor):
         self._closed = False
         self._shutting_down = False
         self._pid = os.getpid()
-        self._zygote: _zygote.Zygote | None = None
         if self._context is not None and self._context.get_start_method() == "forkserver":
-            self._zygote = _zygote.fork_for_pool()  # now, before the event loop's thread exists
-        # The finalizer must not reference self: it gets boxes holding the live backend
-        # and the pool's zygote.
+            _zygote.ensure()  # the process's fork server, now, before the event loop's thread exists
+        # The finalizer must not reference self: it gets a box holding the live backend.
         self._box: list[Backend | None] = [None]
-        self._zbox: list[_zygote.Zygote | None] = [self._zygote]
-        self._finalizer = weakref.finalize(self, WorkerPool._close_box, self._box, self._zbox)
+        self._finalizer = weakref.finalize(self, WorkerPool._close_box, self._box)
         self._restarts_before = 0  # replacements counted by backends already closed
 
     @property
@@ -165,7 +162,7 @@ class WorkerPool(cf.Executor):
     def _backend(self) -> Backend:
         """The live backend, made (not started) if there is none."""
         if self._pid != os.getpid():  # a forked child: the parent's workers are not ours
-            self._pid, self._lock, self._zygote = os.getpid(), threading.RLock(), None
+            self._pid, self._lock = os.getpid(), threading.RLock()
             old = self._box[0]
             if isinstance(old, _procs.Procs):
                 old.abandon()
@@ -176,7 +173,7 @@ class WorkerPool(cf.Executor):
             backend = self._box[0]
             if isinstance(backend, _procs.Procs) and (backend.fatal is not None or backend.closed):
                 self._retire(backend)  # broken for good, or stopped at exit: the next start begins afresh
-                backend.close(grace=0.0)  # its I/O thread ends: the zygote's reports are the next one's
+                backend.close(grace=0.0)
                 backend = None
             if backend is None:
                 backend = self._box[0] = self._make()
@@ -190,14 +187,9 @@ class WorkerPool(cf.Executor):
         if _procs.exiting:
             raise LoaderClosedError("the interpreter is shutting down: no worker starts now")
         _mainguard.refuse_while_main_imports()  # before this process makes anything
-        zygote = self._zygote
-        if zygote is not None and (zygote.dead or zygote.consumer != os.getpid()):
-            if zygote.consumer == os.getpid():
-                zygote.close()  # dead: nothing to give back
-            zygote = self._zygote = self._zbox[0] = None
-        if zygote is None and self._context.get_start_method() == "forkserver":
-            zygote = self._zygote = self._zbox[0] = _zygote.fork_for_pool()
-        return _procs.Procs(self.num_workers, self._context, self._payloads_now, zygote)
+        forkserver = self._context.get_start_method() == "forkserver"
+        session = _zygote.session() if forkserver else None
+        return _procs.Procs(self.num_workers, self._context, self._payloads_now, session)
 
     def _retire(self, backend: Backend) -> None:
         """Take ``backend`` out of the box (the lock held); the caller closes it."""
@@ -344,13 +336,10 @@ class WorkerPool(cf.Executor):
         self._finalizer()
 
     @staticmethod
-    def _close_box(box: list[Backend | None], zbox: list[_zygote.Zygote | None]) -> None:
+    def _close_box(box: list[Backend | None]) -> None:
         backend, box[0] = box[0], None
         if backend is not None:
             backend.close(grace=0.25)
-        zygote, zbox[0] = zbox[0], None
-        if zygote is not None and zygote.consumer == os.getpid():
-            _zygote.give_back(zygote)  # the next pool takes it, rather than fork one
 
     def __enter__(self) -> WorkerPool:
         return self

@@ -86,7 +86,7 @@ class _Worker:
 
     __slots__ = (
         "born_ns", "channel", "code", "end", "eof", "fd", "inbuf", "kill_asked", "last_ns", "out", "pid", "process",
-        "ready", "sent", "seqs", "slot", "start", "watched", "why_killed",
+        "ready", "sent", "seqs", "session", "slot", "start", "watched", "why_killed",
     )  # fmt: skip
 
     def __init__(self, slot: int, channel: socket.socket) -> None:
@@ -95,6 +95,7 @@ class _Worker:
         self.fd = channel.fileno()
         self.pid = 0  # known once started (a zygote's report may come after its replies)
         self.process: Any = None  # multiprocessing's Process, where it started this one
+        self.session: _zygote.Session | None = None  # the fork server's, where it started this one
         self.sent: collections.deque[Job] = collections.deque()  # unanswered, in channel order
         self.out: collections.deque[memoryview] = collections.deque()  # what the socket did not take yet
         self.inbuf = bytearray(READ)  # what it wrote: frames in [start, end)
@@ -118,7 +119,7 @@ class Procs:
         n: int,
         ctx: BaseContext,
         payloads: Callable[[], dict[str, bytes | _byvalue.Inherited]],
-        zygote: _zygote.Zygote | None,
+        zygote: _zygote.Session | None,
     ) -> None:
         self.n = n
         self._ctx: Any = ctx  # one of multiprocessing's contexts (the base type has no Process)
@@ -186,11 +187,12 @@ class Procs:
         w = _Worker(slot, ours)
         self._workers[slot] = w
         payloads = self._payloads()
-        zygote = self._zygote if self._zygote is not None and not self._zygote.dead else None
         inherited = any(isinstance(p, _byvalue.Inherited) for p in payloads.values())
+        zygote = None if inherited else self._live_session()
         try:
-            if zygote is not None and not inherited:
+            if zygote is not None:
                 w.out.append(_channel.frame(payloads))  # the worker's first frame
+                w.session = zygote
                 self._requests[zygote.request(slot, theirs.fileno(), self._table_fd, self._table_size, self.n)] = slot
             else:
                 if self._ctx.get_start_method() != "fork":
@@ -214,6 +216,20 @@ class Procs:
                 theirs.close()
         self._register(w)
         self._flush_pending(w)
+
+    def _live_session(self) -> _zygote.Session | None:
+        """The pool's session with the fork server; a new one if the server died (its
+        standby serves now). ``None`` if this pool has none (the lock held)."""
+        old = self._zygote
+        if old is None or not old.dead:
+            return old
+        with contextlib.suppress(KeyError, ValueError):
+            self._sel.unregister(old.sock)
+        old.close()
+        new = self._zygote = _zygote.session()
+        if new is not None:
+            self._sel.register(new.sock, selectors.EVENT_READ, "zygote")
+        return new
 
     def _register(self, w: _Worker) -> None:
         self._sel.register(w.fd, selectors.EVENT_READ, w)
@@ -516,8 +532,7 @@ class Procs:
         w.eof = True
         with contextlib.suppress(KeyError, ValueError):
             self._sel.unregister(w.fd)
-        zygote = self._zygote
-        if w.process is None and (zygote is None or zygote.dead):
+        if w.process is None and (w.session is None or w.session.dead):
             self._died(w, None)  # nobody will report its exit code
 
     def _reports(self) -> None:
@@ -544,15 +559,12 @@ class Procs:
                 w = self._workers[slot] if slot >= 0 else None
                 if w is not None and not w.pid:
                     self._died(w, None, OSError(value, os.strerror(value)))
-        if zygote.dead:
+        if zygote.dead:  # the server died; its workers live on, and the next one starts from its standby
             with contextlib.suppress(KeyError, ValueError):
                 self._sel.unregister(zygote.sock)
             for w in list(self._workers):  # no more exit codes: their channels' ends say it
-                if w is not None and w.code is None and w.process is None:
-                    if w.eof:
-                        self._died(w, None)
-                    elif w.pid:
-                        _kill(w.pid)
+                if w is not None and w.code is None and w.session is zygote and w.eof:
+                    self._died(w, None)
 
     def _sentinel(self, w: _Worker) -> None:
         with contextlib.suppress(KeyError, ValueError):
@@ -801,6 +813,8 @@ class Procs:
             if self._wake_r < 0:
                 return
             self._sel.close()
+            if self._zygote is not None:
+                self._zygote.close()  # the server forgets this pool; its workers' exits are not reported
             for fd in (self._wake_r, self._wake_w, self._table_fd):
                 if fd >= 0:
                     os.close(fd)

@@ -33,6 +33,7 @@ import gc
 import itertools
 import mmap
 import os
+import select
 import signal
 import socket
 import struct
@@ -43,7 +44,7 @@ import types
 import warnings
 from typing import Any
 
-__all__ = ["ENV", "Zygote", "fork_for_pool", "give_back", "server_pid", "usable"]
+__all__ = ["ENV", "Server", "Session", "ensure", "server_pid", "session", "usable"]
 
 ENV = "AIOLOADER_FORKSERVER"  # "spawn": never fork a zygote
 REQUEST = struct.Struct("<qqqqq")  # request number, slot, table size, number of workers, consumer pid
@@ -53,9 +54,11 @@ REPORT = struct.Struct("<cxxxxxxxqq")
 ZYGOTE_NAME = b"aioloader-zyg"
 WORKER_NAME = b"aioloader-work"
 
+PID = struct.Struct("<q")
+
 _lock = threading.Lock()
-_zygote: Zygote | None = None  # the newest one taken (what server_pid names)
-_free: Zygote | None = None  # one a closed pool gave back, for the next pool to take
+_server: Server | None = None  # this process's fork server
+_unreaped: list[int] = []  # servers this process forked that ended, or were told to, unreaped
 
 
 # Native threads that prepare themselves for fork, by name: jemalloc's background
@@ -136,58 +139,83 @@ def _stop_monitors() -> bool:
 
 
 def server_pid() -> int | None:
-    """The pid of this process's zygote, if it has one."""
-    z = _zygote
-    return z.pid if z is not None and not z.dead and z.consumer == os.getpid() else None
+    """The pid of this process's fork server, if it has one."""
+    s = _server
+    return s.pid if s is not None and not s.dead and s.consumer == os.getpid() else None
 
 
-def fork_for_pool() -> Zygote | None:
-    """A zygote for a new pool, that pool's alone while it lives: one a closed pool gave
-    back, or one forked now if that is safe; else ``None``. One reader for its reports
-    (forks, exit codes). The pool gives it back with :func:`give_back`."""
-    global _zygote, _free
+def ensure() -> None:
+    """Make this process's fork server now, if it has none and forking one is safe (a new
+    pool calls this before it starts any thread)."""
+    with _lock:
+        _current()
+
+
+def session() -> Session | None:
+    """A new session with this process's fork server, for one pool: what the pool asks
+    for and what the server reports to it (forks, exit codes) are that pool's alone. The
+    server is made on first use if that is safe now; if it died, its standby takes over.
+    ``None``: no server (threads ran when the first was needed,
+    ``AIOLOADER_FORKSERVER=spawn``, not Linux); multiprocessing starts the workers."""
+    global _server
+    with _lock:
+        for _ in range(3):
+            srv = _current()
+            if srv is None:
+                return None
+            try:
+                return srv.session()
+            except OSError:
+                _server = srv.successor()
+    return None
+
+
+def _current() -> Server | None:
+    """This process's server, made now if it has none and that is safe (the lock held)."""
+    global _server
+    _reap_ended()
     if os.environ.get(ENV, "").lower() == "spawn":
         return None
-    with _lock:
-        z, _free = _free, None
-        if z is not None and (z.dead or z.consumer != os.getpid()):
-            z.close()
-            z = None
-        if z is not None:
-            z.reports()  # what its last pool left unread
-        elif usable() and _stop_monitors():
-            with contextlib.suppress(OSError):
-                z = Zygote.fork()
-        if z is not None and not z.dead:
-            _zygote = z
-            return z
-        return None
+    srv = _server
+    if srv is not None and srv.consumer != os.getpid():
+        srv = _server = None
+    if srv is None and usable() and _stop_monitors():
+        with contextlib.suppress(OSError):
+            srv = _server = Server.fork()
+    return srv
 
 
-def give_back(z: Zygote) -> None:
-    """A pool is closed: keep its zygote for the next pool (one is kept), or close it."""
-    global _free
-    with _lock:
-        if _free is None and not z.dead and z.consumer == os.getpid():
-            _free = z
-            return
-    z.close()
+def _reap_ended() -> None:
+    """Wait for the servers this process forked that have ended (no zombie is left)."""
+    for pid in list(_unreaped):
+        try:
+            done = os.waitpid(pid, os.WNOHANG)[0] != 0
+        except ChildProcessError:
+            done = True
+        if done:
+            _unreaped.remove(pid)
 
 
-class Zygote:
-    """The consumer's handle on its zygote: :meth:`request` a worker; the pool's I/O
-    thread reads :meth:`reports` when :attr:`sock` is readable."""
+class Server:
+    """The consumer's handle on its fork server: one per process, for every owned pool.
 
-    def __init__(self, pid: int, sock: socket.socket) -> None:
+    A server keeps a *standby*: a copy of itself forked when it starts serving, idle, with
+    a control socket of its own. If the server dies, the standby serves in its place (and
+    forks a standby of its own), so a new worker still starts from a copy of the consumer.
+    The workers are not the server's to keep: they live on without it."""
+
+    def __init__(self, pid: int, ctl: socket.socket, reaps: bool) -> None:
         self.pid = pid
-        self.sock = sock
+        self.ctl = ctl
         self.consumer = os.getpid()
         self.dead = False
-        self.send_lock = threading.Lock()
-        self._requests = itertools.count()
+        self._reaps = reaps  # this process forked it: it must wait for its exit
+        self.standby: socket.socket | None = None
+        self._lock = threading.Lock()
+        self._ask_standby()
 
     @classmethod
-    def fork(cls) -> Zygote:
+    def fork(cls) -> Server:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
@@ -197,28 +225,111 @@ class Zygote:
             # 3.12+ warns of any other OS thread; the only ones allowed (see usable) prepare for fork.
             warnings.simplefilter("ignore", DeprecationWarning)
             pid = os.fork()
-        if pid == 0:  # pragma: no cover - the zygote (coverage does not follow it)
+        if pid == 0:  # pragma: no cover - the server (coverage does not follow it)
             code = 1
             try:
                 ours.close()
                 _neutralize(feeding)
+                _prepare()
                 _serve(theirs)
                 code = 0
             finally:
                 os._exit(code)
         theirs.close()
-        return cls(pid, ours)
+        return cls(pid, ours, reaps=True)
+
+    def _ask_standby(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            socket.send_fds(self.ctl, [b"T"], [theirs.fileno()])
+        except OSError:
+            ours.close()
+            return
+        finally:
+            theirs.close()
+        self.standby = ours
+
+    def session(self) -> Session:
+        """Open a session. Raises ``OSError`` if the server is gone."""
+        with self._lock:
+            if self.dead:
+                raise OSError("the fork server is gone")
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            try:
+                socket.send_fds(self.ctl, [b"S"], [theirs.fileno()])
+            except OSError:
+                ours.close()
+                self._gone()
+                raise
+            finally:
+                theirs.close()
+            return Session(ours)
+
+    def successor(self) -> Server | None:
+        """This server died: its standby, serving from now on (``None`` if it has none)."""
+        self._gone()
+        standby, self.standby = self.standby, None
+        pid = self._standby_pid()
+        self.ctl.close()
+        if standby is None or pid is None:
+            if standby is not None:
+                standby.close()
+            return None
+        return Server(pid, standby, reaps=False)
+
+    def _standby_pid(self) -> int | None:
+        """The standby's pid, as the server reported it (its report outlives it)."""
+        pid = None
+        while True:
+            try:
+                data = self.ctl.recv(PID.size + 1, socket.MSG_DONTWAIT)
+            except OSError:
+                return pid
+            if not data:
+                return pid
+            if data[:1] == b"P":
+                (pid,) = PID.unpack_from(data, 1)
+
+    def _gone(self) -> None:
+        self.dead = True
+        if self._reaps:
+            _unreaped.append(self.pid)
+            self._reaps = False
+        _reap_ended()
+
+    def close(self) -> None:
+        """Stop it and its standby (their sockets close; each ends at once)."""
+        self.dead = True
+        for sock in (self.ctl, self.standby):
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.close()
+        if self._reaps:
+            _unreaped.append(self.pid)
+            self._reaps = False
+
+
+class Session:
+    """One pool's line to the fork server: :meth:`request` a worker; the pool's I/O
+    thread reads :meth:`reports` when :attr:`sock` is readable."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.dead = False
+        self.send_lock = threading.Lock()
+        self._requests = itertools.count()
 
     def request(self, slot: int, channel: int, table: int, table_size: int, workers: int) -> int:
         """Ask for a worker in ``slot`` (its channel and slot table's descriptors are
-        passed); the answer comes as a report. Raises ``OSError`` if the zygote is gone."""
+        passed); the answer comes as a report. Raises ``OSError`` if the server is gone."""
         with self.send_lock:
             req = next(self._requests)
-            socket.send_fds(self.sock, [REQUEST.pack(req, slot, table_size, workers, os.getpid())], [channel, table])
+            msg = b"W" + REQUEST.pack(req, slot, table_size, workers, os.getpid())
+            socket.send_fds(self.sock, [msg], [channel, table])
         return req
 
     def reports(self) -> list[tuple[bytes, int, int]]:
-        """What the zygote said since the last call: ``(kind, pid, value)`` each; an
+        """What the server said since the last call: ``(kind, pid, value)`` each; an
         empty list once it is gone (then :attr:`dead` is set)."""
         out: list[tuple[bytes, int, int]] = []
         while True:
@@ -239,17 +350,15 @@ class Zygote:
             self.sock.close()
 
 
-# ----------------------------------------------------------------- the zygote itself
-def _serve(sock: socket.socket) -> None:  # pragma: no cover - in the zygote
+# ----------------------------------------------------------------- the server itself
+def _prepare() -> None:  # pragma: no cover - in the server
+    """Once, in the first server: reset what a fresh interpreter would not have."""
     _name_process(ZYGOTE_NAME)
     for sig in signal.valid_signals():
         with contextlib.suppress(OSError, ValueError, TypeError):
             if callable(signal.getsignal(sig)):
                 signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-    signal.set_wakeup_fd(wake_w)
-    signal.signal(signal.SIGCHLD, _ignore)
     from .._worker import byvalue as _byvalue
     from .._worker import tasks as _tasks  # noqa: F401  (imported once here, not in every worker)
 
@@ -258,28 +367,115 @@ def _serve(sock: socket.socket) -> None:  # pragma: no cover - in the zygote
         # a copy of the consumer's module would shadow those definitions.
         sys.modules["__main__"] = types.ModuleType("__main__")
     gc.freeze()
-    import select
 
-    poller = select.poll()
-    poller.register(sock.fileno(), select.POLLIN)
-    poller.register(wake_r, select.POLLIN)
+
+class _Serving:  # pragma: no cover - in the server
+    """A server's state: its control socket, its sessions, and which session asked for
+    which child."""
+
+    def __init__(self, ctl: socket.socket) -> None:
+        self.ctl = ctl
+        self.sessions: dict[int, socket.socket] = {}
+        self.owner: dict[int, socket.socket | None] = {}  # child pid -> the session that asked for it
+        self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        signal.set_wakeup_fd(self.wake_w)
+        signal.signal(signal.SIGCHLD, _ignore)
+        self.poller = select.poll()
+        self.poller.register(ctl.fileno(), select.POLLIN)
+        self.poller.register(self.wake_r, select.POLLIN)
+
+    def drop_all(self) -> None:
+        """In a child: what this server holds is not the child's."""
+        signal.set_wakeup_fd(-1)
+        for fd in (self.wake_r, self.wake_w):
+            os.close(fd)
+        for sock in (self.ctl, *self.sessions.values()):
+            sock.close()
+
+
+def _serve(ctl: socket.socket) -> None:  # pragma: no cover - in the server
+    state = _Serving(ctl)
     while True:
-        for fd, _ in poller.poll():
-            if fd == wake_r:
+        for fd, _ in state.poller.poll():
+            if fd == state.wake_r:
                 with contextlib.suppress(BlockingIOError):
-                    os.read(wake_r, 4096)
-                _reap(sock)
-                continue
-            try:
-                msg, fds, _, _ = socket.recv_fds(sock, REQUEST.size, 2)
-            except OSError:
-                msg, fds = b"", []
-            if not msg:
-                return  # the consumer is gone; the workers see their channels end
-            _fork_worker(sock, msg, fds, (wake_r, wake_w))
+                    os.read(state.wake_r, 4096)
+                _reap(state)
+            elif fd == ctl.fileno():
+                try:
+                    msg, fds, _, _ = socket.recv_fds(ctl, 16, 1)
+                except OSError:
+                    msg, fds = b"", []
+                if not msg:
+                    return  # the consumer is gone; the workers see their channels end
+                if msg == b"S" and fds:
+                    sock = socket.socket(fileno=fds[0])
+                    state.sessions[sock.fileno()] = sock
+                    state.poller.register(sock.fileno(), select.POLLIN)
+                elif msg == b"T" and fds:
+                    _fork_standby(state, fds[0])
+                else:
+                    for extra in fds:
+                        os.close(extra)
+            elif fd in state.sessions:
+                _session_message(state, state.sessions[fd])
 
 
-def _fork_worker(sock: socket.socket, msg: bytes, fds: list[int], wake: tuple[int, int]) -> None:  # pragma: no cover
+def _session_message(state: _Serving, sock: socket.socket) -> None:  # pragma: no cover
+    try:
+        msg, fds, _, _ = socket.recv_fds(sock, 1 << 16, 2)
+    except OSError:
+        msg, fds = b"", []
+    if not msg:  # the pool closed: its workers' exits are reaped, not reported
+        state.poller.unregister(sock.fileno())
+        del state.sessions[sock.fileno()]
+        for pid, owner in list(state.owner.items()):
+            if owner is sock:
+                state.owner[pid] = None
+        sock.close()
+        return
+    if msg[:1] == b"W" and len(fds) == 2:
+        _fork_worker(state, sock, msg[1:], fds)
+    elif msg[:1] == b"I":
+        _import_all(msg[1:].decode().split("\n"))
+        for extra in fds:
+            os.close(extra)
+    else:
+        for extra in fds:
+            os.close(extra)
+
+
+def _import_all(names: list[str]) -> None:  # pragma: no cover - in the server
+    """Import what the consumer imported since this server was made, once, here."""
+    import importlib
+
+    for name in names:
+        if name and name not in sys.modules:
+            with contextlib.suppress(BaseException):
+                importlib.import_module(name)
+
+
+def _fork_standby(state: _Serving, fd: int) -> None:  # pragma: no cover - in the server
+    """Fork this server's standby, to serve the control socket ``fd`` if this one dies."""
+    try:
+        pid = os.fork()
+    except OSError:
+        os.close(fd)
+        return
+    if pid == 0:
+        code = 1
+        try:
+            state.drop_all()
+            _serve(socket.socket(fileno=fd))
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        state.ctl.send(b"P" + PID.pack(pid))
+
+
+def _fork_worker(state: _Serving, sock: socket.socket, msg: bytes, fds: list[int]) -> None:  # pragma: no cover
     req, slot, table_size, workers, consumer = REQUEST.unpack(msg)
     try:
         pid = os.fork()
@@ -291,11 +487,8 @@ def _fork_worker(sock: socket.socket, msg: bytes, fds: list[int], wake: tuple[in
     if pid == 0:
         code = 1
         try:
-            sock.close()
-            signal.set_wakeup_fd(-1)
+            state.drop_all()
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            for fd in wake:
-                os.close(fd)
             _name_process(WORKER_NAME)
             channel, table_fd = fds
             table = mmap.mmap(table_fd, table_size)
@@ -313,10 +506,11 @@ def _fork_worker(sock: socket.socket, msg: bytes, fds: list[int], wake: tuple[in
             os._exit(code)
     for fd in fds:
         os.close(fd)
+    state.owner[pid] = sock
     _report(sock, b"F", pid, req)
 
 
-def _reap(sock: socket.socket) -> None:  # pragma: no cover - in the zygote
+def _reap(state: _Serving) -> None:  # pragma: no cover - in the server
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -324,7 +518,9 @@ def _reap(sock: socket.socket) -> None:  # pragma: no cover - in the zygote
             return
         if pid == 0:
             return
-        _report(sock, b"X", pid, os.waitstatus_to_exitcode(status))
+        sock = state.owner.pop(pid, None)
+        if sock is not None:
+            _report(sock, b"X", pid, os.waitstatus_to_exitcode(status))
 
 
 def _report(sock: socket.socket, kind: bytes, pid: int, value: int) -> None:  # pragma: no cover
@@ -332,11 +528,11 @@ def _report(sock: socket.socket, kind: bytes, pid: int, value: int) -> None:  # 
         sock.send(REPORT.pack(kind, pid, value))
 
 
-def _ignore(*_: Any) -> None:  # pragma: no cover - SIGCHLD only wakes the zygote's poll
+def _ignore(*_: Any) -> None:  # pragma: no cover - SIGCHLD only wakes the server's poll
     pass
 
 
-def _name_process(name: bytes) -> None:  # pragma: no cover - in the zygote and its workers
+def _name_process(name: bytes) -> None:  # pragma: no cover - in the server and its workers
     with contextlib.suppress(OSError), open("/proc/self/comm", "wb") as f:
         f.write(name)
 
@@ -409,17 +605,18 @@ def _mode(proc: str, fd: str) -> int | None:
 
 
 def _after_fork_in_child() -> None:
-    """A child forked from this process (the zygote, its workers, a user's fork) does
-    not own this process's zygote: it would fork its workers from another's."""
-    global _zygote, _lock, _free
-    _zygote, _lock, _free = None, threading.Lock(), None
+    """A child forked from this process (the server, its workers, a user's fork) does
+    not own this process's server: it would fork its workers from another's."""
+    global _server, _lock, _unreaped
+    _server, _lock, _unreaped = None, threading.Lock(), []
 
 
 def _close_at_exit() -> None:
-    z = _free
-    if z is not None and z.consumer == os.getpid():
-        z.close()
+    s = _server
+    if s is not None and s.consumer == os.getpid():
+        s.close()
+    _reap_ended()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
-atexit.register(_close_at_exit)  # the kept one; a pool's own closes with the pool
+atexit.register(_close_at_exit)
