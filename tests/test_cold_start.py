@@ -401,3 +401,135 @@ def test_only_pipes_that_feed_a_child_are_let_go() -> None:
             kid.wait(30)
         for fd in (fed_w, both_w, lone_r, lone_w):
             os.close(fd)
+
+
+# Train and validation loaders, and a fork server that dies: one server serves every
+# pool of the process, and it is a part that can be replaced.
+SHARED = '''
+import asyncio, json, os, signal, sys, threading, time
+import probe
+import aioloader
+from aioloader._pool import zygote as _forkserver
+
+def stat(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+def comm(pid):
+    with open(f"/proc/{pid}/comm") as f:
+        return f.read().strip()
+
+def kids():
+    with open(f"/proc/{os.getpid()}/task/{os.getpid()}/children") as f:
+        return sorted(comm(int(k)) for k in f.read().split())
+
+def wait(cond, what):
+    deadline = time.monotonic() + 60
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.005)
+
+def two_loaders():
+    train = aioloader.DataLoader(probe.Squares(), 8, num_workers=2)
+    first = yield train
+    stop = threading.Event()
+    helper = threading.Thread(target=stop.wait)
+    helper.start()  # a thread before the second loader exists (a logger, a progress bar)
+    val = aioloader.DataLoader(probe.Squares(), 8, num_workers=2)
+    second = yield val
+    server = _forkserver.server_pid()
+    out = {
+        "batches": [first, second], "server": server, "consumer": os.getpid(), "kids": kids(),
+        "parents": [int(stat(p)[1]) for p in train.worker_pids() + val.worker_pids()],
+    }
+    stop.set()
+    helper.join()
+    train.close()
+    val.close()
+    return out
+
+def server_killed():
+    loader = aioloader.DataLoader(probe.Squares(), 8, num_workers=2)
+    first = yield loader
+    pids = loader.worker_pids()
+    old = _forkserver.server_pid()
+    os.kill(old, signal.SIGKILL)
+    wait(lambda: _forkserver.server_pid() not in (None, old), "the standby to take over")
+    second = yield loader  # the workers live on: nothing to replace, nothing charged
+    same = loader.worker_pids() == pids
+    os.kill(pids[0], signal.SIGKILL)
+    wait(lambda: len(set(loader.worker_pids()) - set(pids)) == 1, "a replacement")
+    third = yield loader
+    new = _forkserver.server_pid()
+    (fresh,) = set(loader.worker_pids()) - set(pids)
+    out = {
+        "batches": [first, second, third], "same_workers": same, "old_server_gone": not os.path.exists(f"/proc/{old}"),
+        "new_server": comm(new), "fresh_parent_is_new_server": int(stat(fresh)[1]) == new,
+        "kept": pids[1] in loader.worker_pids(), "kids": kids(),
+    }
+    loader.close()
+    return out
+
+def drive(gen, face):
+    async def over(loader):
+        return [b.tolist() async for b in loader]
+
+    async def run():
+        batches = None
+        try:
+            while True:
+                loader = gen.send(batches)
+                batches = await over(loader)
+        except StopIteration as end:
+            return end.value
+
+    if face == "async-for":
+        return asyncio.run(run())
+    batches = None
+    try:
+        while True:
+            loader = gen.send(batches)
+            batches = [b.tolist() for b in loader]
+    except StopIteration as end:
+        return end.value
+
+if __name__ == "__main__":
+    scenario = two_loaders if sys.argv[2] == "two-loaders" else server_killed
+    print(json.dumps(drive(scenario(), sys.argv[1])))
+'''
+
+
+def _scenario(tmp_path: Path, face: str, name: str) -> tuple[dict, list[int]]:
+    (tmp_path / "probe.py").write_text(PROBE)
+    script = tmp_path / "shared.py"
+    script.write_text(SHARED)
+    log = tmp_path / "imports.log"
+    env = {**_consumer_env(tmp_path), "PROBE_LOG": str(log), "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    proc = subprocess.run(
+        [sys.executable, str(script), face, name], capture_output=True, text=True, timeout=150, env=env, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.splitlines()[-1]), [int(line) for line in log.read_text().split()]
+
+
+@pytest.mark.parametrize("face", ["for", "async-for"])
+def test_train_and_val_loaders_share_one_fork_server_even_with_a_thread_running(tmp_path: Path, face: str) -> None:
+    out, importers = _scenario(tmp_path, face, "two-loaders")
+    assert out["batches"] == [EXPECTED, EXPECTED]
+    # Every worker of both pools is a child of the one server; the consumer forked one
+    # server (its standby is the server's child), and multiprocessing started nothing.
+    assert out["parents"] == [out["server"]] * 4
+    assert out["kids"] == ["aioloader-zyg"]
+    assert importers == [out["consumer"]]  # no worker imported the dataset's module again
+
+
+@pytest.mark.parametrize("face", ["for", "async-for"])
+def test_a_killed_fork_server_kills_no_worker_and_its_standby_starts_the_next(tmp_path: Path, face: str) -> None:
+    out, importers = _scenario(tmp_path, face, "server-killed")
+    assert out["batches"] == [EXPECTED] * 3
+    assert out["same_workers"]  # no worker died with the server: no batch was charged
+    assert out["old_server_gone"]  # reaped: no zombie left
+    assert out["new_server"] == "aioloader-zyg"
+    assert out["fresh_parent_is_new_server"] and out["kept"]
+    assert out["kids"] == []  # the standby is not the consumer's child; nothing else started
+    assert len(importers) == 1

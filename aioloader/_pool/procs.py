@@ -562,6 +562,7 @@ class Procs:
         if zygote.dead:  # the server died; its workers live on, and the next one starts from its standby
             with contextlib.suppress(KeyError, ValueError):
                 self._sel.unregister(zygote.sock)
+            _zygote.notice_death()
             for w in list(self._workers):  # no more exit codes: their channels' ends say it
                 if w is not None and w.code is None and w.session is zygote and w.eof:
                     self._died(w, None)

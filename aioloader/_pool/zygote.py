@@ -44,7 +44,7 @@ import types
 import warnings
 from typing import Any
 
-__all__ = ["ENV", "Server", "Session", "ensure", "server_pid", "session", "usable"]
+__all__ = ["ENV", "Server", "Session", "ensure", "notice_death", "server_pid", "session", "usable"]
 
 ENV = "AIOLOADER_FORKSERVER"  # "spawn": never fork a zygote
 REQUEST = struct.Struct("<qqqqq")  # request number, slot, table size, number of workers, consumer pid
@@ -140,8 +140,9 @@ def _stop_monitors() -> bool:
 
 def server_pid() -> int | None:
     """The pid of this process's fork server, if it has one."""
-    s = _server
-    return s.pid if s is not None and not s.dead and s.consumer == os.getpid() else None
+    with _lock:
+        srv = _live()
+    return srv.pid if srv is not None else None
 
 
 def ensure() -> None:
@@ -170,15 +171,33 @@ def session() -> Session | None:
     return None
 
 
+def notice_death() -> None:
+    """A session ended: the server died (it closes none of its own). Its standby serves
+    from now on, and the dead one is reaped at once (no zombie waits for the next worker's
+    start). A dying process's sockets close one by one: its control socket's end is
+    waited for a moment (if it is late, the next look at the server sees it)."""
+    with _lock:
+        _live(within=0.2)
+
+
+def _live(within: float = 0.0) -> Server | None:
+    """This process's server, its standby in its place if it died (the lock held)."""
+    global _server
+    srv = _server
+    if srv is not None and srv.consumer != os.getpid():
+        srv = _server = None
+    if srv is not None and (srv.dead or srv.hung_up(within)):
+        srv = _server = srv.successor()
+    return srv
+
+
 def _current() -> Server | None:
     """This process's server, made now if it has none and that is safe (the lock held)."""
     global _server
     _reap_ended()
     if os.environ.get(ENV, "").lower() == "spawn":
         return None
-    srv = _server
-    if srv is not None and srv.consumer != os.getpid():
-        srv = _server = None
+    srv = _live()
     if srv is None and usable() and _stop_monitors():
         with contextlib.suppress(OSError):
             srv = _server = Server.fork()
@@ -265,6 +284,13 @@ class Server:
                 theirs.close()
             return Session(ours)
 
+    def hung_up(self, within: float = 0.0) -> bool:
+        """Has the server's end of the control socket closed (it died), or does it
+        within ``within`` seconds?"""
+        poller = select.poll()
+        poller.register(self.ctl.fileno(), 0)  # only its hangup (POLLHUP, POLLERR are always reported)
+        return bool(poller.poll(int(within * 1000)))
+
     def successor(self) -> Server | None:
         """This server died: its standby, serving from now on (``None`` if it has none)."""
         self._gone()
@@ -300,7 +326,8 @@ class Server:
     def close(self) -> None:
         """Stop it and its standby (their sockets close; each ends at once)."""
         self.dead = True
-        for sock in (self.ctl, self.standby):
+        standby, self.standby = self.standby, None
+        for sock in (self.ctl, standby):
             if sock is not None:
                 with contextlib.suppress(OSError):
                     sock.close()
