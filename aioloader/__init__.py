@@ -10,6 +10,7 @@ from ._collate import default_collate as default_collate
 from ._collate import default_convert as default_convert
 from ._plan.sampler import DistributedSampler as DistributedSampler
 from ._pool import WorkerPool as WorkerPool
+from ._pool import zygote as _zygote
 from ._seeding import sample_rng as sample_rng
 from ._stats import EpochStats as EpochStats
 from ._stats import LoaderStats as LoaderStats
@@ -85,3 +86,6 @@ def _fixup_module_metadata() -> None:
 
 _fixup_module_metadata()
 del _fixup_module_metadata
+
+_zygote.at_import()  # the fork server, while this process most likely has one thread
+del _zygote

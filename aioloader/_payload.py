@@ -16,6 +16,7 @@ import pickle
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ._pool import zygote as _zygote
 from ._shm import _dataseg
 from ._shm._dataseg import DataSegment
 from ._worker import byvalue as _byvalue
@@ -61,8 +62,11 @@ def pickle_for_workers(
             return _inherited(whole, parts, owner, exc, inherit), None
         data = None
     # A reference to ``__main__`` names the module in the pickle; a false positive
-    # (that string inside the data) only costs a by-value pickle.
-    if data is None or (b"__main__" in data and _byvalue.main_is_interactive()):
+    # (that string inside the data) only costs a by-value pickle. Workers have no
+    # complete ``__main__`` of their own under an interactive consumer, or when they come
+    # from a fork server made while the consumer imported aioloader.
+    main_missing = _byvalue.main_is_interactive() or _zygote.main_by_value()
+    if data is None or (b"__main__" in data and main_missing):
         buffers.clear()
         data = _by_value(whole, parts, owner, callback)
     if buffers:

@@ -22,8 +22,8 @@ SHM_PREFIX = "aioloader_"
 # The Python on which CI installs torch (the one torch build on the machine's disk): there a
 # missing torch is a broken environment, not a reason to skip.
 TORCH_REQUIRED_ON = (3, 11)
-# The pool's zygote (its fork server, forked from the consumer) has the consumer's
-# command line and is told apart by its process name (``aioloader._pool.zygote.ZYGOTE_NAME``).
+# The process's fork server (forked from the consumer) and its standby have the consumer's
+# command line and are told apart by their name (``aioloader._pool.zygote.ZYGOTE_NAME``).
 TRACKER_MARKERS = ("resource_tracker", "semaphore_tracker")
 HELPER_MARKERS = ("forkserver", "aioloader-zyg", *TRACKER_MARKERS)
 
@@ -137,7 +137,8 @@ def descendant_workers(root: int | None = None) -> set[int]:
             continue
         # forkserver children are forked without exec, so they share its command line:
         # the helper is the process whose parent is *not* a helper of the same kind.
-        if any(m in cmd and m not in parent_cmd for m in HELPER_MARKERS):
+        # aioloader's server and its standby (the server's child) are told apart by name.
+        if any(m in cmd and m not in parent_cmd for m in HELPER_MARKERS) or cmd.endswith("[aioloader-zyg]"):
             continue
         out.add(pid)
     return out

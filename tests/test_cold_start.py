@@ -39,6 +39,9 @@ class Squares:
 CONSUMER = '''
 import asyncio, json, os, sys, threading
 print("before the loader")  # buffered: a fork that copied the buffer would print it twice
+if sys.argv[2] == "thread-before-aioloader":
+    early = threading.Thread(target=threading.Event().wait, daemon=True)
+    early.start()
 if sys.argv[2] == "tqdm-before-aioloader":
     import tqdm
     bar = tqdm.tqdm(total=3, file=open(os.devnull, "w"))  # its monitor runs from here on
@@ -162,15 +165,33 @@ def test_a_consumer_whose_only_threads_are_tqdms_monitor_and_jemallocs_still_for
     assert out["monitor_again"]
 
 
-@pytest.mark.parametrize(
-    ("mode", "env"),
-    [("threaded", None), ("alone", {"AIOLOADER_FORKSERVER": "spawn"})],
-    ids=["consumer-with-a-thread", "opted-out"],
-)
-def test_the_forkserver_is_spawned_when_forking_is_not_safe_or_not_wanted(
-    tmp_path: Path, mode: str, env: dict[str, str] | None
-) -> None:
-    out, importers, stdout = _consume(tmp_path, "for", mode, env)
+@pytest.mark.parametrize("face", ["for", "async-for"])
+def test_a_thread_started_after_aioloader_was_imported_still_gets_forked_workers(tmp_path: Path, face: str) -> None:
+    """The fork server was forked as aioloader was imported (one thread then): the
+    workers import nothing again, and the script's top level does not run again."""
+    out, importers, stdout = _consume(tmp_path, face, "threaded")
+    assert out["batches"] == EXPECTED
+    assert out["server_comm"] == "aioloader-zyg"
+    assert out["worker_comms"] == ["aioloader-work", "aioloader-work"]
+    assert importers == [out["consumer"]]
+    assert stdout.count("before the loader") == 1
+
+
+def test_threads_before_aioloader_was_imported_give_a_fresh_server_that_imports_once(tmp_path: Path) -> None:
+    """No copy of a consumer with threads is forked: the server is a fresh interpreter,
+    which imports the consumer's modules once for every worker, and never runs the
+    script's top level."""
+    out, importers, stdout = _consume(tmp_path, "for", "thread-before-aioloader")
+    assert out["batches"] == EXPECTED
+    assert out["server_comm"] == "aioloader-zyg"
+    assert "serve_fd" in out["server_cmdline"]
+    assert out["worker_comms"] == ["aioloader-work", "aioloader-work"]
+    assert importers[0] == out["consumer"] and importers[1:] == [out["server"]]
+    assert stdout.count("before the loader") == 1
+
+
+def test_the_forkserver_is_multiprocessings_when_ours_is_not_wanted(tmp_path: Path) -> None:
+    out, importers, stdout = _consume(tmp_path, "for", "alone", {"AIOLOADER_FORKSERVER": "spawn"})
     assert out["batches"] == EXPECTED
     assert out["server_comm"] != "aioloader-zyg"
     assert "multiprocessing.forkserver" in out["server_cmdline"]

@@ -1,8 +1,10 @@
 """A script without ``if __name__ == "__main__":`` whose workers import it again.
 
 Each case is a real script run by a fresh interpreter: the re-import happens only in
-worker processes started by spawn, or forked from a spawned forkserver (which a thread
-at import brings about).
+worker processes started by spawn (or forked from multiprocessing's forkserver). Workers
+that come from aioloader's own fork server never import the script: that server is a
+copy of the consumer, or, if threads ran before aioloader was imported, a fresh
+interpreter that gets what ``__main__`` defined by value.
 """
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ SCRIPT = textwrap.dedent(
     import os, threading
     with open({marks!r}, "a") as f:  # one line per run of this body, in any process
         f.write(f"{{os.getpid()}}\\n")
+    if {thread} == "before":  # a thread that runs before aioloader is imported
+        threading.Thread(target=threading.Event().wait, daemon=True).start()
     import aioloader
-    if {thread}:  # a logger's or a metrics client's thread, started at import
+    if {thread} == "after":  # a logger's or a metrics client's thread, started at import
         threading.Thread(target=threading.Event().wait, daemon=True).start()
     loader = aioloader.DataLoader(list(range(8)), batch_size=2, num_workers=2{context})
     {guard}
@@ -33,17 +37,15 @@ SCRIPT = textwrap.dedent(
     """
 )
 
-CASES = [
-    pytest.param(True, "", id="thread-at-import"),
-    pytest.param(False, ', multiprocessing_context="spawn"', id="spawn"),
-]
+CASES = [pytest.param("", ', multiprocessing_context="spawn"', id="spawn")]
+OWN_SERVER = [pytest.param("after", "", id="thread-after-import"), pytest.param("before", "", id="thread-before-import")]
 
 
-def _run(tmp_path: Path, thread: bool, context: str, guard: bool) -> tuple[subprocess.CompletedProcess[str], list[int]]:
+def _run(tmp_path: Path, thread: str, context: str, guard: bool) -> tuple[subprocess.CompletedProcess[str], list[int]]:
     marks = tmp_path / "runs"
     script = tmp_path / "train.py"
     head = 'if __name__ == "__main__":' if guard else "if True:  # no guard"
-    script.write_text(SCRIPT.format(marks=str(marks), thread=thread, context=context, guard=head))
+    script.write_text(SCRIPT.format(marks=str(marks), thread=repr(thread), context=context, guard=head))
     (tmp_path / "tmp").mkdir()
     env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
@@ -59,7 +61,7 @@ def _run(tmp_path: Path, thread: bool, context: str, guard: bool) -> tuple[subpr
 
 
 @pytest.mark.parametrize("thread,context", CASES)
-def test_an_unguarded_script_gets_one_error_naming_the_guard(tmp_path: Path, thread: bool, context: str) -> None:
+def test_an_unguarded_script_gets_one_error_naming_the_guard(tmp_path: Path, thread: str, context: str) -> None:
     proc, runs = _run(tmp_path, thread, context, guard=False)
     err = proc.stderr
     assert proc.returncode == 1, err
@@ -78,9 +80,20 @@ def test_an_unguarded_script_gets_one_error_naming_the_guard(tmp_path: Path, thr
 
 @pytest.mark.parametrize("thread,context", CASES)
 def test_a_module_level_loader_iterated_under_the_guard_still_works(
-    tmp_path: Path, thread: bool, context: str
+    tmp_path: Path, thread: str, context: str
 ) -> None:
     # Each worker re-imports the script and builds the loader, but starts nothing.
     proc, runs = _run(tmp_path, thread, context, guard=True)
     assert proc.returncode == 0 and proc.stdout == "batches 8\n", proc.stderr
     assert proc.stderr == "" and len(runs) == 3, (proc.stderr, runs)
+
+
+@pytest.mark.parametrize("guard", [False, True], ids=["unguarded", "guarded"])
+@pytest.mark.parametrize("thread,context", OWN_SERVER)
+def test_workers_from_aioloaders_server_never_run_the_script_again(
+    tmp_path: Path, thread: str, context: str, guard: bool
+) -> None:
+    """As with torch's fork start, a script needs no guard: its body runs once."""
+    proc, runs = _run(tmp_path, thread, context, guard=guard)
+    assert proc.returncode == 0 and proc.stdout == "batches 8\n", proc.stderr
+    assert proc.stderr == "" and len(runs) == 1, (proc.stderr, runs)

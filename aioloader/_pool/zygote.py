@@ -30,21 +30,27 @@ from __future__ import annotations
 import atexit
 import contextlib
 import gc
+import importlib
+import inspect
 import itertools
 import mmap
+import multiprocessing
 import os
+import pickle
 import select
 import signal
 import socket
 import struct
+import subprocess
 import sys
 import threading
 import time
 import types
 import warnings
+import zlib
 from typing import Any
 
-__all__ = ["ENV", "Server", "Session", "ensure", "notice_death", "server_pid", "session", "usable"]
+__all__ = ["ENV", "Server", "Session", "at_import", "ensure", "main_by_value", "notice_death", "server_pid", "session", "usable"]
 
 ENV = "AIOLOADER_FORKSERVER"  # "spawn": never fork a zygote
 REQUEST = struct.Struct("<qqqqq")  # request number, slot, table size, number of workers, consumer pid
@@ -59,6 +65,7 @@ PID = struct.Struct("<q")
 _lock = threading.Lock()
 _server: Server | None = None  # this process's fork server
 _unreaped: list[int] = []  # servers this process forked that ended, or were told to, unreaped
+_spawned: list[subprocess.Popen[bytes]] = []  # servers started as fresh interpreters
 
 
 # Native threads that prepare themselves for fork, by name: jemalloc's background
@@ -145,6 +152,44 @@ def server_pid() -> int | None:
     return srv.pid if srv is not None else None
 
 
+def at_import() -> None:
+    """Fork the server now, as aioloader is imported, if that is safe: a process is most
+    likely to have one thread then. It is *early*: modules imported later, and the rest
+    of a ``__main__`` still running, are not in it. A pool made while the process still
+    has one thread forks a fresh server in its place; one made once threads run uses it.
+    Each session then brings it up to date (see :meth:`Server.session`), and payloads
+    that name ``__main__`` go by value (:func:`main_by_value`)."""
+    global _server
+    if os.environ.get(ENV, "").lower() == "spawn" or multiprocessing.parent_process() is not None or not usable():
+        return  # (a process multiprocessing started is a worker of some pool: it starts none of its own)
+    running = _modules_being_imported()
+    with _lock:
+        if _server is None:
+            with contextlib.suppress(OSError):
+                _server = Server.fork(early=running)
+
+
+def main_by_value() -> bool:
+    """Must payloads that name ``__main__`` go by value? Yes when this process's server
+    is early: its ``__main__`` stopped where the consumer imported aioloader."""
+    srv = _server
+    return srv is not None and srv.early is not None and srv.consumer == os.getpid()
+
+
+def _modules_being_imported() -> list[str]:
+    """The modules whose import is under way on this thread's stack (their copies in an
+    early server are incomplete), but aioloader's own."""
+    names = []
+    frame = inspect.currentframe()
+    while frame is not None:
+        if frame.f_code.co_name == "<module>":
+            name = frame.f_globals.get("__name__")
+            if isinstance(name, str) and name != "__main__" and name.split(".")[0] != "aioloader":
+                names.append(name)
+        frame = frame.f_back
+    return names
+
+
 def ensure() -> None:
     """Make this process's fork server now, if it has none and forking one is safe (a new
     pool calls this before it starts any thread)."""
@@ -198,14 +243,23 @@ def _current() -> Server | None:
     if os.environ.get(ENV, "").lower() == "spawn":
         return None
     srv = _live()
-    if srv is None and usable() and _stop_monitors():
+    if (srv is None or srv.early is not None) and usable() and _stop_monitors():
         with contextlib.suppress(OSError):
-            srv = _server = Server.fork()
+            fresh = Server.fork()  # a copy of the consumer as it is now
+            if srv is not None:
+                srv.close(reap=True)  # the early one: its sessions end, its workers live on
+            srv = _server = fresh
+    if srv is None and sys.platform.startswith("linux") and hasattr(socket, "send_fds"):
+        with contextlib.suppress(OSError, ValueError):
+            srv = _server = Server.spawn()  # threads ran before aioloader was imported
     return srv
 
 
 def _reap_ended() -> None:
     """Wait for the servers this process forked that have ended (no zombie is left)."""
+    for proc in list(_spawned):
+        if proc.poll() is not None:
+            _spawned.remove(proc)
     for pid in list(_unreaped):
         try:
             done = os.waitpid(pid, os.WNOHANG)[0] != 0
@@ -223,9 +277,10 @@ class Server:
     forks a standby of its own), so a new worker still starts from a copy of the consumer.
     The workers are not the server's to keep: they live on without it."""
 
-    def __init__(self, pid: int, ctl: socket.socket, reaps: bool) -> None:
+    def __init__(self, pid: int, ctl: socket.socket, reaps: bool, early: list[str] | None = None) -> None:
         self.pid = pid
         self.ctl = ctl
+        self.early = early  # made at import: the modules whose import was under way then
         self.consumer = os.getpid()
         self.dead = False
         self._reaps = reaps  # this process forked it: it must wait for its exit
@@ -234,7 +289,7 @@ class Server:
         self._ask_standby()
 
     @classmethod
-    def fork(cls) -> Server:
+    def fork(cls, early: list[str] | None = None) -> Server:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
@@ -249,13 +304,37 @@ class Server:
             try:
                 ours.close()
                 _neutralize(feeding)
+                for name in early or ():
+                    sys.modules.pop(name, None)  # incomplete here: imported afresh if needed
                 _prepare()
                 _serve(theirs)
                 code = 0
             finally:
                 os._exit(code)
         theirs.close()
-        return cls(pid, ours, reaps=True)
+        return cls(pid, ours, reaps=True, early=early)
+
+    @classmethod
+    def spawn(cls) -> Server:
+        """A server started as a fresh interpreter, for a consumer that ran threads
+        before it imported aioloader (no copy of it can be forked safely). The first
+        session's catch-up imports the consumer's modules there, once for every worker."""
+        if not sys.executable:
+            raise ValueError("no interpreter to start")
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        env = {**os.environ, ENV: "spawn", "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-c", f"from aioloader._pool import zygote; zygote.serve_fd({theirs.fileno()})"],
+                pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL,
+            )  # fmt: skip
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        _spawned.append(proc)
+        return cls(proc.pid, ours, reaps=False, early=[])
 
     def _ask_standby(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -282,6 +361,11 @@ class Server:
                 raise
             finally:
                 theirs.close()
+            try:
+                ours.send(b"I" + _catch_up(self.early is not None))
+            except OSError:
+                ours.close()
+                raise
             return Session(ours)
 
     def hung_up(self, within: float = 0.0) -> bool:
@@ -301,7 +385,7 @@ class Server:
             if standby is not None:
                 standby.close()
             return None
-        return Server(pid, standby, reaps=False)
+        return Server(pid, standby, reaps=False, early=self.early)
 
     def _standby_pid(self) -> int | None:
         """The standby's pid, as the server reported it (its report outlives it)."""
@@ -323,8 +407,10 @@ class Server:
             self._reaps = False
         _reap_ended()
 
-    def close(self) -> None:
-        """Stop it and its standby (their sockets close; each ends at once)."""
+    def close(self, reap: bool = False) -> None:
+        """Stop it and its standby (their sockets close: each ends at once). ``reap``:
+        end it now and wait for it, so that no zombie is left (one replaced while the
+        consumer goes on); its workers live on."""
         self.dead = True
         standby, self.standby = self.standby, None
         for sock in (self.ctl, standby):
@@ -332,8 +418,23 @@ class Server:
                 with contextlib.suppress(OSError):
                     sock.close()
         if self._reaps:
-            _unreaped.append(self.pid)
             self._reaps = False
+            if reap:
+                with contextlib.suppress(OSError):
+                    os.kill(self.pid, signal.SIGKILL)
+                    os.waitpid(self.pid, 0)
+            else:
+                _unreaped.append(self.pid)
+
+
+def _catch_up(modules: bool) -> bytes:
+    """What a session tells the server before its first worker: this process's
+    environment, working directory and ``sys.path`` as they are now (a worker sees them
+    as a forked child would), and, for an early server, the modules imported here, in
+    the order their imports began."""
+    names = [n for n, m in list(sys.modules.items()) if getattr(m, "__spec__", None) is not None] if modules else []
+    state = (dict(os.environ), os.getcwd(), list(sys.path), [n for n in names if n != "__main__"])
+    return zlib.compress(pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL), 1)
 
 
 class Session:
@@ -378,6 +479,13 @@ class Session:
 
 
 # ----------------------------------------------------------------- the server itself
+def serve_fd(fd: int) -> None:  # pragma: no cover - a server started as a fresh interpreter
+    """The entry of a server started by :meth:`Server.spawn`: serve control socket ``fd``."""
+    _prepare()
+    with socket.socket(fileno=fd) as ctl:
+        _serve(ctl)
+
+
 def _prepare() -> None:  # pragma: no cover - in the server
     """Once, in the first server: reset what a fresh interpreter would not have."""
     _name_process(ZYGOTE_NAME)
@@ -450,7 +558,7 @@ def _serve(ctl: socket.socket) -> None:  # pragma: no cover - in the server
 
 def _session_message(state: _Serving, sock: socket.socket) -> None:  # pragma: no cover
     try:
-        msg, fds, _, _ = socket.recv_fds(sock, 1 << 16, 2)
+        msg, fds, _, _ = socket.recv_fds(sock, 1 << 22, 2)
     except OSError:
         msg, fds = b"", []
     if not msg:  # the pool closed: its workers' exits are reaped, not reported
@@ -464,7 +572,8 @@ def _session_message(state: _Serving, sock: socket.socket) -> None:  # pragma: n
     if msg[:1] == b"W" and len(fds) == 2:
         _fork_worker(state, sock, msg[1:], fds)
     elif msg[:1] == b"I":
-        _import_all(msg[1:].decode().split("\n"))
+        with contextlib.suppress(Exception):
+            _take_state(*pickle.loads(zlib.decompress(msg[1:])))
         for extra in fds:
             os.close(extra)
     else:
@@ -472,12 +581,18 @@ def _session_message(state: _Serving, sock: socket.socket) -> None:  # pragma: n
             os.close(extra)
 
 
-def _import_all(names: list[str]) -> None:  # pragma: no cover - in the server
-    """Import what the consumer imported since this server was made, once, here."""
-    import importlib
-
+def _take_state(environ: dict[str, str], cwd: str, path: list[str], names: list[str]) -> None:  # pragma: no cover
+    """Become the consumer as it is now (see :func:`_catch_up`): the workers forked next
+    inherit it. The modules it imported since this server was made are imported here,
+    once, not in every worker; one that fails to import is left to the worker that needs
+    it (which then raises the error)."""
+    os.environ.clear()
+    os.environ.update(environ)
+    with contextlib.suppress(OSError):
+        os.chdir(cwd)
+    sys.path[:] = path
     for name in names:
-        if name and name not in sys.modules:
+        if name not in sys.modules:
             with contextlib.suppress(BaseException):
                 importlib.import_module(name)
 
@@ -493,7 +608,8 @@ def _fork_standby(state: _Serving, fd: int) -> None:  # pragma: no cover - in th
         code = 1
         try:
             state.drop_all()
-            _serve(socket.socket(fileno=fd))
+            with socket.socket(fileno=fd) as ctl:
+                _serve(ctl)
             code = 0
         finally:
             os._exit(code)
@@ -634,8 +750,8 @@ def _mode(proc: str, fd: str) -> int | None:
 def _after_fork_in_child() -> None:
     """A child forked from this process (the server, its workers, a user's fork) does
     not own this process's server: it would fork its workers from another's."""
-    global _server, _lock, _unreaped
-    _server, _lock, _unreaped = None, threading.Lock(), []
+    global _server, _lock, _unreaped, _spawned
+    _server, _lock, _unreaped, _spawned = None, threading.Lock(), [], []
 
 
 def _close_at_exit() -> None:
