@@ -554,3 +554,31 @@ def test_a_killed_fork_server_kills_no_worker_and_its_standby_starts_the_next(tm
     assert out["fresh_parent_is_new_server"] and out["kept"]
     assert out["kids"] == []  # the standby is not the consumer's child; nothing else started
     assert len(importers) == 1
+
+
+EXECUTOR_MAIN = '''
+import json, threading
+import aioloader
+
+def double(x):
+    return x * 2
+
+class Box:
+    def __init__(self, v):
+        self.v = v
+
+if __name__ == "__main__":
+    threading.Thread(target=threading.Event().wait, daemon=True).start()
+    with aioloader.WorkerPool(2) as pool:  # its workers come from the server made at import
+        out = [pool.submit(double, 3).result(60), pool.submit(Box, 4).result(60).v, list(pool.map(double, range(3)))]
+    print(json.dumps(out))
+'''
+
+
+def test_the_executor_face_runs_what_main_defined_on_workers_of_the_early_server(tmp_path: Path) -> None:
+    """The early server's ``__main__`` stopped at ``import aioloader``: functions and
+    classes the script defined later reach the workers by value, and results holding
+    them come back as the script's own."""
+    proc = _run(tmp_path, EXECUTOR_MAIN)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert json.loads(proc.stdout.splitlines()[-1]) == [6, 4, [0, 2, 4]]

@@ -22,6 +22,7 @@ import atexit
 import concurrent.futures as cf
 import functools
 import os
+import pickle
 import threading
 import weakref
 from collections.abc import Callable
@@ -291,7 +292,11 @@ class WorkerPool(cf.Executor):
                 raise RuntimeError("cannot schedule new futures after shutdown")
         fut: cf.Future[Any] = cf.Future()
         call = functools.partial(fn, *args, **kwargs) if kwargs else fn
-        job = Job(call, args if not kwargs else (), None)
+        call_args = args if not kwargs else ()
+        if self.kind == "process" and _zygote.main_by_value() and _names_main((call, call_args)):
+            # The workers' __main__ is not the consumer's: what it defined goes by value.
+            call, call_args = _byvalue.run_by_value, (_byvalue.dumps_by_value((call, call_args)),)
+        job = Job(call, call_args, None)
         job.callback = functools.partial(_to_future, fut)
         job.gate = fut.set_running_or_notify_cancel  # a future cancelled before it leaves never runs
         backend = self._backend()
@@ -350,6 +355,15 @@ class WorkerPool(cf.Executor):
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
         return f"<aioloader.WorkerPool {self.kind} workers={self.num_workers} {state}>"
+
+
+def _names_main(obj: object) -> bool:
+    """Does ``obj`` pickle with a reference to ``__main__``? (``False`` if it does not pickle:
+    its own error comes when it is sent.)"""
+    try:
+        return b"__main__" in pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:
+        return False
 
 
 def _to_future(fut: cf.Future[Any], job: Job) -> None:

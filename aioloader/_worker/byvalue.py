@@ -43,6 +43,7 @@ __all__ = [
     "loads_payload",
     "main_is_interactive",
     "pickles_at_process_start",
+    "run_by_value",
 ]
 
 
@@ -182,6 +183,13 @@ def loads_payload(payload: bytes | Inherited) -> Any:
                     _bound.add(name)
         obj = obj.context
     return obj
+
+
+def run_by_value(blob: bytes) -> Any:
+    """Run a call sent by value, ``(function, args)`` (the pool's Executor face, when the
+    workers' ``__main__`` is not the consumer's)."""
+    call, args = loads_payload(blob)
+    return call(*args)
 
 
 def unpickle_error(exc: BaseException) -> DatasetPickleError:
