@@ -1,9 +1,12 @@
 """The dispatcher: runs one unit of work on the pool until it succeeds, fails in user
 code, or exhausts its retries; owns the timeout watchdog of the work it runs.
 
-It knows nothing of pool kinds: the pool says when a task started, stops one that
-overran, and, after a lost task, which tasks the dead workers held. A task that lasts
-(a shard) brings its own clock: since when it owes the consumer something. A lost task is
+It knows nothing of pool kinds. A task's timeout counts from when it is *due*: when its
+worker could start it (see :meth:`WorkerPool.due_at`), not when it was queued. A pool of
+worker processes enforces it itself, for every task sent with a timeout, so a task
+whose run ended (abandoned) is still stopped; elsewhere the watchdog here asks the
+pool since when a task is due and has it stopped. A task that lasts (a shard) brings
+its own clock: since when it owes the consumer something. A lost task is
 resubmitted, and charged against ``max_retries`` only when its own worker died holding
 it; a task that reaches a borrowed executor's worker before the loader's payload does
 is resubmitted once with the payload attached.
@@ -160,7 +163,8 @@ class Dispatcher:
             task = make_task(next(_task_ids), with_payload)
             task_id = task.task_id
             submit_ns = time.monotonic_ns()
-            job = pool.send(fn, task, alone=self.alone, on_part=on_part)
+            timeout = self.timeout if owing is None else None  # a clock of its own: watched here
+            job = pool.send(fn, task, alone=self.alone, on_part=on_part, timeout=timeout)
             self._running[task_id] = job
             if owing is not None:
                 self._clocks[task_id] = owing
@@ -169,12 +173,15 @@ class Dispatcher:
             except Lost as lost:
                 if self.is_closed():
                     raise LoaderClosedError("the loader was closed while this batch was pending") from None
-                if split and task_id in self._timed_out:
+                why = self._timed_out.get(task_id)
+                if why is None and lost.timed_out is not None:
+                    why = self._overran(lost.timed_out)
+                if split and why is not None:
                     raise Split(f"overran timeout={self.timeout} s") from None
                 if split and lost.charged:
                     raise Split("was lost to a dying worker") from None
-                if task_id in self._timed_out:
-                    raise self._timeout_error(named, self._timed_out[task_id]) from None
+                if why is not None:
+                    raise self._timeout_error(named, why) from None
                 if lost.charged:
                     attempts += 1
                     if attempts > self.max_retries:
@@ -216,11 +223,13 @@ class Dispatcher:
             f"{_name(named)} was not delivered {why}", indices=_as_list(named.indices), timeout=self.timeout
         )
 
-    def _overran(self, due: bool, how: str) -> str:
-        since = "of being due" if due else "of a worker starting it"
-        return f"within timeout={self.timeout} s {since}; {how}"
+    def _overran(self, how: str) -> str:
+        return f"within timeout={self.timeout} s of being due; {how}"
 
     async def _watch(self, timeout: float) -> None:
+        """One timer for the run, not one per task: every ``period`` it looks at the
+        tasks the pool does not time itself (a shard's own clock, the loader's thread,
+        a borrowed executor) and at workers stuck in their start."""
         pool = self.pool
         period = min(0.05, timeout / 4)
         limit = int(timeout * 1e9)
@@ -229,11 +238,11 @@ class Dispatcher:
             self.expire_stuck_start()
             now = time.monotonic_ns()
             for task_id, job in list(self._running.items()):
-                if task_id in self._timed_out:
+                if task_id in self._timed_out or job.timeout_ns:  # the pool's own watch
                     continue
                 clock = self._clocks.get(task_id)
-                started = pool.started_at(job) if clock is None else clock()
-                if started is None or now - started <= limit:
+                due = pool.due_at(job) if clock is None else clock()
+                if due is None or now - due <= limit:
                     continue
                 await self.expire(task_id)
 
@@ -250,11 +259,10 @@ class Dispatcher:
             return
         if stuck is None:
             return
-        pid, jobs = stuck
+        pid, jobs, what = stuck
         why = (
             f"because worker pid {pid} had not finished starting {limit:g} s after the pool started "
-            f"(a start may take max(timeout, {START_FLOOR_S:g} s)): its worker_init_fn, the "
-            "unpickling of the dataset or an import did not return; it was killed and replaced"
+            f"(a start may take max(timeout, {START_FLOOR_S:g} s)): {what}; it was killed and replaced"
         )
         held = {id(j) for j in jobs}
         for task_id, job in self._running.items():
@@ -268,13 +276,12 @@ class Dispatcher:
         job = self._running.get(task_id)
         if job is None or task_id in self._timed_out:
             return False
-        due = task_id in self._clocks
-        self._timed_out[task_id] = self._overran(due, "the pool stopped it")
+        self._timed_out[task_id] = self._overran("the pool stopped it")
         how = await asyncio.get_running_loop().run_in_executor(None, self.pool.stop, job)
         if how is None:  # it finished between our look and the stop: no timeout
             self._timed_out.pop(task_id, None)
             return False
-        self._timed_out[task_id] = self._overran(due, how)
+        self._timed_out[task_id] = self._overran(how)
         return True
 
 

@@ -25,7 +25,8 @@ class Lost(Exception):
 
     ``charged``: its worker died while it held it (exit ``code``, ``pid``); otherwise it
     was stopped (a timeout), the pool closed, or ``fatal`` says why no worker can run
-    anything (every task of the pool gets the same error)."""
+    anything (every task of the pool gets the same error). ``timed_out``: the pool
+    stopped it for its own ``timeout`` and says what hung."""
 
     def __init__(
         self,
@@ -34,12 +35,14 @@ class Lost(Exception):
         code: int | None = None,
         pid: int | None = None,
         fatal: Exception | None = None,
+        timed_out: str | None = None,
     ) -> None:
         super().__init__("the task's worker is gone")
         self.charged = charged
         self.code = code
         self.pid = pid
         self.fatal = fatal
+        self.timed_out = timed_out
 
 
 class Job:
@@ -47,7 +50,8 @@ class Job:
 
     __slots__ = (
         "__weakref__", "alone", "args", "callback", "done", "fn", "gate", "lost", "on_part", "outcome",
-        "sent_ns", "seq", "stopped", "submit_ns", "task_id", "unsent", "waiter", "waker", "worker",
+        "sent_ns", "seq", "stopped", "submit_ns", "task_id", "timeout_ns", "unsent", "waiter", "waker", "why_stopped",
+        "worker",
     )  # fmt: skip
 
     def __init__(
@@ -65,10 +69,12 @@ class Job:
         self.lost: Lost | None = None
         self.done = False
         self.stopped = False  # a timeout stopped it: it ends Lost, uncharged, not run again
+        self.why_stopped = ""  # what hung, when the pool stopped it for its own timeout
+        self.timeout_ns = 0  # the pool stops it once it has been due this long (0: never)
         self.unsent = False  # it could not be pickled: its error is from here, not a worker
         self.worker: Any = None  # where it was sent (a backend's own record), if anywhere
         self.seq = -1  # its number on that worker's channel
-        self.sent_ns = 0  # when it was written to that channel
+        self.sent_ns = 0  # when it was written to that channel (or a thread took it)
         self.waiter: Any = None  # the asyncio future the awaiting task waits on
         self.waker: Waker | None = None
         self.callback: Callable[[Job], None] | None = None  # the Executor face's future

@@ -19,11 +19,11 @@ import concurrent.futures as cf
 import functools
 import queue
 import threading
+import time
 from typing import Any
 
 from .._worker import channel as _channel
 from .._worker import reply as _reply
-from .._worker import slots as _slots
 from ..errors import PoolBrokenError
 from .jobs import Job, Lost
 
@@ -70,6 +70,7 @@ class Thread:
                 job.settle(lost=Lost())
                 continue
             link = None if job.on_part is None else _ThreadLink(job)
+            job.sent_ns = time.monotonic_ns()  # due from now: the thread takes it
             with self._lock:
                 self._running = job
                 self._link = link
@@ -106,14 +107,15 @@ class Thread:
         link.inbox.put(message)
         return True
 
-    def running_since(self, job: Job) -> int | None:
-        if job.done or job.task_id is None:
-            return None
-        return _slots.local_starts.get(job.task_id)
+    def due_at(self, job: Job) -> int | None:
+        with self._lock:
+            if self._running is not job or job.done:
+                return None
+        return job.sent_ns
 
     def stop(self, job: Job) -> str | None:
         with self._lock:
-            if self._running is not job or job.task_id not in _slots.local_starts:
+            if self._running is not job or job.done:
                 return None
             self._running = None
             link, self._link = self._link, None
@@ -200,7 +202,7 @@ class Borrowed:
             value = fut.result()
             job.settle(value if isinstance(value, _reply.Outcome) else _reply.Outcome(True, value))
 
-    def running_since(self, job: Job) -> int | None:
+    def due_at(self, job: Job) -> int | None:
         return None if job.done else job.submit_ns
 
     def stop(self, job: Job) -> str | None:

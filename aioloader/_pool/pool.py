@@ -10,7 +10,7 @@ Two ways in. The Executor face (``submit``, ``map``, ``shutdown``) runs any pick
 function on the same workers the loaders use. The engine's dispatcher takes the fast
 path: :meth:`~WorkerPool.start`, :meth:`~WorkerPool.send` (a :class:`Job`),
 :meth:`~WorkerPool.result` (the task's value, its own exception, or :class:`Lost`),
-:meth:`~WorkerPool.started_at`, :meth:`~WorkerPool.stop` and
+:meth:`~WorkerPool.due_at`, :meth:`~WorkerPool.stop` and
 :meth:`~WorkerPool.kill_stuck_start`. Pool errors become aioloader errors here and in
 the backends (:mod:`.procs`, :mod:`.local`), never anything of ``concurrent.futures``.
 """
@@ -222,15 +222,23 @@ class WorkerPool(cf.Executor):
         *,
         alone: bool = False,
         on_part: Callable[[Job, Any], None] | None = None,
+        timeout: float | None = None,
     ) -> Job:
         """Run ``fn(task)`` on a worker (``task.task_id`` names it); never raises but
         :class:`~aioloader.LoaderClosedError`. ``alone``: the task holds its worker for
         long (a shard), so it goes to an idle worker and nothing waits behind it.
-        ``on_part``: takes the messages the task sends while it runs (see :meth:`tell`)."""
+        ``on_part``: takes the messages the task sends while it runs (see :meth:`tell`).
+
+        ``timeout``: owned processes stop the task once it has been due that long (see
+        :meth:`due_at`), whoever awaits it; its :meth:`result` then raises :class:`Lost`
+        with ``timed_out`` saying what hung, and ``job.timeout_ns`` is set. Other
+        backends leave the timeout to the caller."""
         job = Job(_reply.Entry(fn, _reply.origin()), (task,), task.task_id)
         job.alone = alone
         job.on_part = on_part
         backend = self._backend()
+        if timeout and isinstance(backend, _procs.Procs):
+            job.timeout_ns = max(int(timeout * 1e9), 1)
         if not backend.started:  # the dispatcher starts it first: this is a fallback
             backend.start()
         backend.submit(job)
@@ -260,20 +268,24 @@ class WorkerPool(cf.Executor):
             return False
         return backend.tell(job, message)
 
-    def started_at(self, job: Job) -> int | None:
-        """``time.monotonic_ns()`` when a worker started the task (submission, for a
-        borrowed executor), or ``None`` if it is not running."""
+    def due_at(self, job: Job) -> int | None:
+        """``time.monotonic_ns()`` since when the task is *due*: its worker could start
+        it. For a worker process: since it was sent to that worker with nothing ahead of
+        it, since the job ahead of it was answered, or since the worker finished
+        starting. For the loader's thread: since the thread took it; for a borrowed
+        executor: since its submission. ``None`` if it is not due (yet, or any more)."""
         backend = self._box[0]
-        return backend.running_since(job) if backend is not None else None
+        return backend.due_at(job) if backend is not None else None
 
     def stop(self, job: Job) -> str | None:
         """Stop a task that overran its timeout; says what was done (for the error), or
-        ``None`` if it was no longer running. Its :meth:`result` then raises :class:`Lost`."""
+        ``None`` if it was no longer due. Its :meth:`result` then raises :class:`Lost`."""
         backend = self._box[0]
         return backend.stop(job) if backend is not None else None
 
-    def kill_stuck_start(self, limit_ns: int) -> tuple[int, list[Job]] | None:
-        """Kill a worker still starting ``limit_ns`` after it started; its pid and jobs."""
+    def kill_stuck_start(self, limit_ns: int) -> tuple[int, list[Job], str] | None:
+        """Kill a worker still starting ``limit_ns`` after it started; its pid, its jobs
+        and what hung."""
         backend = self._box[0]
         if isinstance(backend, _procs.Procs):
             return backend.kill_stuck_start(limit_ns)

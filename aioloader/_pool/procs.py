@@ -22,6 +22,17 @@ uncharged. Then a new worker takes the same slot; the other workers keep their p
 and their jobs. Workers that die before they finish starting, :data:`MAX_START_FAILURES`
 times in a row, end in a ``PoolBrokenError`` for every job.
 
+Timeouts. A job sent with a timeout is *due* once its worker could start it: when it
+was sent to a worker with nothing else, when the job ahead of it was answered, or when
+a worker that was starting finished its start. The I/O thread looks at each worker's
+oldest job every tick (while timed jobs are out); one due for longer than its timeout
+is stopped: its worker is killed (a stopped process too) and replaced, and the job
+ends lost with an account of what hung, read from the slot table. A job waiting
+behind another is not due, so a long but healthy job ahead costs it nothing. A
+loader whose payload hung while a worker loaded it (its unpickling, its
+``worker_init_fn``) reaches the workers started after that lazily, with its first task,
+so that it does not hold up every start.
+
 Starting. From the zygote (:mod:`aioloader._pool.zygote`) where there is one: a
 request, no wait. Otherwise multiprocessing starts the process (``ctx.Process``).
 Loaders' payloads go as the channel's first frame, or as the process's arguments
@@ -69,11 +80,12 @@ with contextlib.suppress(ImportError):
     import multiprocessing.spawn
     import multiprocessing.util  # noqa: F401
 
-__all__ = ["DEPTH", "LONG_NS", "MAX_START_FAILURES", "Procs", "close_all"]
+__all__ = ["DEPTH", "LONG_NS", "MAX_START_FAILURES", "TICK_NS", "Procs", "close_all"]
 
 DEPTH = 2  # unanswered jobs a worker holds at most: one running, one waiting in its socket
 LONG_NS = 3_000_000  # jobs this long (on average) go one to a worker at a time
 MAX_START_FAILURES = 3
+TICK_NS = 50_000_000  # how often timed jobs are looked at, at most (a quarter of the shortest timeout)
 _ALPHA = 0.25  # weight of the newest job in the average
 _SOCKBUF = 1 << 20  # send buffer asked of each channel's consumer end
 
@@ -86,7 +98,7 @@ class _Worker:
 
     __slots__ = (
         "born_ns", "channel", "code", "end", "eof", "fd", "inbuf", "kill_asked", "last_ns", "out", "pid", "process",
-        "ready", "sent", "seqs", "session", "slot", "start", "watched", "why_killed",
+        "ready", "sent", "seqs", "session", "slot", "start", "tokens", "watched", "why_killed",
     )  # fmt: skip
 
     def __init__(self, slot: int, channel: socket.socket) -> None:
@@ -109,6 +121,7 @@ class _Worker:
         self.ready = False  # it answered once: past its start
         self.kill_asked = False  # killed before its pid was known: kill it when it is
         self.why_killed = ""  # the pool killed it (a timeout, a stuck start, closing)
+        self.tokens: list[str] = []  # the loaders whose payloads it was given to start with, in order
 
 
 class Procs:
@@ -139,6 +152,9 @@ class Procs:
         # (pid, exit code) of the last workers that died on their own
         self.deaths: collections.deque[tuple[int, int | None]] = collections.deque(maxlen=64)
         self._start_failures = 0
+        self._lazy: set[str] = set()  # loaders whose payload hung in a worker: not sent at start
+        self._tick_ns: int | None = None  # the I/O thread's tick while timed jobs are out
+        self._next_scan = 0
         self.fatal: Exception | None = None
         self.closed = False
         self.started = False
@@ -187,6 +203,11 @@ class Procs:
         w = _Worker(slot, ours)
         self._workers[slot] = w
         payloads = self._payloads()
+        if self._lazy:  # they come with their loader's first task instead
+            payloads = {
+                t: p for t, p in payloads.items() if t not in self._lazy or isinstance(p, _byvalue.Inherited)
+            }
+        w.tokens = list(payloads)
         inherited = any(isinstance(p, _byvalue.Inherited) for p in payloads.values())
         zygote = None if inherited else self._live_session()
         try:
@@ -250,7 +271,12 @@ class Procs:
         """Send ``job`` to a worker, or queue it. Settles it at once if the pool cannot
         run anything (closed, or fatally broken)."""
         error = None
+        tick = False
         with self._lock:
+            timeout = job.timeout_ns
+            if timeout and (self._tick_ns is None or timeout // 4 < self._tick_ns):
+                self._tick_ns = min(TICK_NS, max(timeout // 4, 1))
+                tick = True
             if self.fatal is not None or self.closed:
                 lost = Lost(fatal=self.fatal)
             else:
@@ -262,6 +288,8 @@ class Procs:
                     lost = Lost()  # cancelled by its submitter before it went anywhere
                 else:
                     error = self._send(w, job)
+        if tick:
+            self._wake()  # the I/O thread's wait now has an end
         if lost is not None:
             job.settle(lost=lost)
         elif error is not None:
@@ -371,7 +399,8 @@ class Procs:
 
     def _loop(self) -> None:
         while True:
-            for key, events in self._sel.select():
+            tick = self._tick_ns
+            for key, events in self._sel.select(None if tick is None else tick / 1e9):
                 data = key.data
                 if data is None:
                     with contextlib.suppress(BlockingIOError):
@@ -388,6 +417,11 @@ class Procs:
                         self._flush(data)
                     if events & selectors.EVENT_READ:
                         self._read(data)
+            if self._tick_ns is not None:
+                now = time.monotonic_ns()
+                if now >= self._next_scan:
+                    self._next_scan = now + self._tick_ns
+                    self._expire_overdue(now)
 
     def _all_gone(self) -> bool:
         return all(w is None or w.code is not None for w in self._workers)
@@ -591,7 +625,7 @@ class Procs:
                 with contextlib.suppress(KeyError, ValueError):
                     self._sel.unregister(w.fd)
             w.eof = True
-            pid, phase, seq, _ = self.slots.row(w.slot) if w.pid else (0, Slots.STARTING, -1, 0)
+            pid, phase, seq, _, _ = self.slots.row(w.slot) if w.pid else (0, Slots.STARTING, -1, 0, 0)
             if pid != w.pid:  # it died before it claimed its row: the row is its predecessor's
                 phase, seq = Slots.STARTING, -1
             started = w.ready or phase >= Slots.READY
@@ -599,7 +633,7 @@ class Procs:
             requeue: list[Job] = []
             for job in w.sent:
                 if job.stopped or self.closed:
-                    settle.append((job, Lost()))
+                    settle.append((job, Lost(timed_out=job.why_stopped or None)))
                 elif job.seq == seq and phase >= Slots.ACCEPTED and not w.why_killed:
                     settle.append((job, Lost(charged=True, code=code, pid=w.pid or None)))
                 else:  # it had not started it, or the pool killed it for another job's sake
@@ -702,43 +736,104 @@ class Procs:
             job.settle(lost=Lost())
 
     # ------------------------------------------------------------ stopping workers
-    def running_since(self, job: Job) -> int | None:
-        """``monotonic_ns`` when ``job``'s worker started building it, or ``None``."""
-        w = job.worker
-        if w is None or job.done or w.code is not None or not w.pid:
+    def _due(self, w: _Worker, job: Job) -> int | None:
+        """``monotonic_ns`` since when ``job``, the oldest unanswered job of ``w``, could
+        have been started by it; ``None`` while ``w`` is still starting (the lock held)."""
+        if w.last_ns:
+            return max(job.sent_ns, w.last_ns)
+        if not w.pid:
             return None
-        pid, phase, seq, start = self.slots.row(w.slot)
-        if pid == w.pid and seq == job.seq and phase == Slots.RUNNING and start:
-            return start
-        return None
+        pid, phase, _, _, ready = self.slots.row(w.slot)
+        if pid != w.pid or phase == Slots.STARTING or not ready:
+            return None
+        return max(job.sent_ns, ready)
+
+    def due_at(self, job: Job) -> int | None:
+        """``monotonic_ns`` since when ``job``'s worker could start it, or ``None``: not
+        sent, behind another job, answered, or its worker still starting."""
+        with self._lock:
+            w = job.worker
+            if not isinstance(w, _Worker) or job.done or w.code is not None or not w.sent or w.sent[0] is not job:
+                return None
+            return self._due(w, job)
+
+    def _expire_overdue(self, now: int) -> None:
+        """Stop each oldest job that has been due longer than its own timeout (the I/O
+        thread, every tick). The tick stops once no timed job is out."""
+        with self._lock:
+            timed = False
+            for w in self._workers:
+                if w is None or w.code is not None or w.why_killed or not w.sent:
+                    continue
+                timed = timed or any(j.timeout_ns for j in w.sent)
+                job = w.sent[0]
+                if not job.timeout_ns or job.done:
+                    continue
+                due = self._due(w, job)
+                if due is not None and now - due > job.timeout_ns:
+                    self._stop(w, job)
+            if not timed and not any(j.timeout_ns for j in self._pending):
+                self._tick_ns = None
+
+    def _stop(self, w: _Worker, job: Job) -> str:
+        """Kill ``w`` for ``job``, its oldest job, which overran its timeout; returns what
+        hung (the lock held). The job ends lost, uncharged; the rest go to other workers."""
+        account, setup = self._account(w, job)
+        if setup:
+            token = getattr(job.args[0], "token", None) if job.args else None
+            if isinstance(token, str):
+                self._lazy.add(token)  # its replacement starts without it
+        job.stopped = True
+        job.why_stopped = account
+        self._kill(w, "a task overran its timeout")
+        return account
+
+    def _account(self, w: _Worker, job: Job) -> tuple[str, bool]:
+        """What ``w`` was doing with ``job`` (from its row), and whether it was loading
+        the job's loader (unpickling its payload or running its ``worker_init_fn``)."""
+        pid, phase, seq, _, _ = self.slots.row(w.slot)
+        what = "had not taken it up"
+        if pid == w.pid and seq == job.seq:
+            what = _DOING.get(phase, what)
+        if _stopped(w.pid):
+            what += " (the process was stopped: SIGSTOP, or a debugger)"
+        setup = pid == w.pid and seq == job.seq and phase in (Slots.LOADING, Slots.INITIALIZING)
+        return f"worker pid {w.pid} {what}; it was killed and replaced", setup
 
     def stop(self, job: Job) -> str | None:
-        """Kill the worker running ``job`` (a timeout); its job then ends lost, uncharged,
-        and the worker is replaced. ``None`` if it no longer runs it."""
-        if self.running_since(job) is None:
-            return None
-        w = job.worker
-        job.stopped = True
-        self._kill(w, "a task overran its timeout")
-        return f"its worker (pid {w.pid}) was killed and replaced"
+        """Kill the worker holding ``job`` as its oldest job (a timeout the caller keeps);
+        its job then ends lost, uncharged, and the worker is replaced. Says what hung, or
+        ``None`` if the job is no longer there."""
+        with self._lock:
+            w = job.worker
+            if not isinstance(w, _Worker) or job.done or w.code is not None or w.why_killed:
+                return None
+            if not w.sent or w.sent[0] is not job:
+                return None
+            return self._stop(w, job)
 
-    def kill_stuck_start(self, limit_ns: int) -> tuple[int, list[Job]] | None:
+    def kill_stuck_start(self, limit_ns: int) -> tuple[int, list[Job], str] | None:
         """Kill a worker still starting ``limit_ns`` after it was started (its
         ``worker_init_fn``, the unpickling of a dataset or an import hangs). Returns its
-        pid and the jobs sent to it, which end lost; ``None`` if none is stuck."""
+        pid, the jobs sent to it, which end lost, and what hung; ``None`` if none is
+        stuck. A loader whose payload hung reaches later workers lazily."""
         now = time.monotonic_ns()
         with self._lock:
             for w in self._workers:
                 if w is None or w.code is not None or w.ready or w.why_killed or now - w.born_ns <= limit_ns:
                     continue
-                pid, phase, _, _ = self.slots.row(w.slot)
+                pid, phase, k, step, _ = self.slots.row(w.slot)
                 if w.pid and pid == w.pid and phase != Slots.STARTING:
                     continue
+                what = "an import, or the start itself, did not finish"
+                if w.pid and pid == w.pid and 0 <= k < len(w.tokens) and step in _STARTING:
+                    what = _STARTING[step]
+                    self._lazy.add(w.tokens[k])  # its replacement starts without it
                 jobs = list(w.sent)
                 for job in jobs:
                     job.stopped = True
                 self._kill(w, "it did not finish starting")
-                return w.pid, jobs
+                return w.pid, jobs, what
         return None
 
     def _kill(self, w: _Worker, why: str) -> None:
@@ -831,6 +926,28 @@ class Procs:
 
 def _dead(w: _Worker) -> bool:
     return w.code is not None
+
+
+_STARTING = {
+    Slots.LOADING: "the unpickling of a loader's payload (its dataset) did not return",
+    Slots.INITIALIZING: "a loader's worker_init_fn did not return",
+}
+_DOING = {
+    Slots.ACCEPTED: "had taken it and not begun it",
+    Slots.LOADING: "was unpickling the loader's payload (its dataset)",
+    Slots.INITIALIZING: "was running the loader's worker_init_fn",
+    Slots.RUNNING: "was building it",
+    Slots.HOLDING: "had built it, and its reply did not arrive",
+}
+
+
+def _stopped(pid: int) -> bool:
+    """Is process ``pid`` stopped (``T``) or traced (``t``)? Linux's /proc; else no."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] in (b"T", b"t")
+    except (OSError, IndexError):
+        return False
 
 
 def _kill(pid: int) -> None:

@@ -1,15 +1,18 @@
 """The slot table: which task each owned worker holds, and since when.
 
 Crash attribution and timeouts need it. Each worker of an owned process pool claims one
-row of a small shared int64 table: ``pid, phase, seq, start_ns``. ``seq`` numbers the
-tasks of the worker's channel (0, 1, ...). The phase goes ``STARTING`` → ``READY`` →
-for each task ``ACCEPTED`` (received, setting up) → ``RUNNING`` (building; ``start_ns``
-set) → ``HOLDING`` (the reply is on its way). So a worker that died holding a task
-names it; one that died ``READY`` held none; one that died ``STARTING`` never finished
-starting.
+row of a small shared int64 table: ``pid, phase, seq, start_ns, ready_ns``. ``seq``
+numbers the tasks of the worker's channel (0, 1, ...). The phase goes ``STARTING`` →
+``READY`` (``ready_ns`` set) → for each task ``ACCEPTED`` (received) → ``LOADING`` and
+``INITIALIZING`` (only the first task of a loader whose payload came with it: unpickling
+the payload, then its ``worker_init_fn``) → ``RUNNING`` (building; ``start_ns`` set) →
+``HOLDING`` (the reply is on its way). So a worker that died holding a task names it;
+one that died ``READY`` held none; one that died ``STARTING`` never finished starting.
+While it starts, ``seq`` and ``start_ns`` say which payload it loads and at what step
+(:func:`starting`). A timeout's message says which phase hung.
 
-Where there is no table (the loader's own thread, a borrowed executor), the marks go to
-:data:`local_starts` of the process that runs the task, by task id.
+Where there is no table (the loader's own thread, a borrowed executor), the marks do
+nothing: those backends time a task from when they hand it over.
 
 Also here, for the consumer: how an exit code reads in a message.
 
@@ -20,13 +23,14 @@ from __future__ import annotations
 
 import mmap
 import signal
+import time
 from multiprocessing import reduction
 from typing import Any
 
 import numpy as np
 
 __all__ = [
-    "SharedTable", "Slots", "accepted", "claim", "describe_exit", "holding", "local_starts", "mark", "torch_crash_words",
+    "SharedTable", "Slots", "accepted", "claim", "describe_exit", "holding", "mark", "starting", "torch_crash_words",
 ]  # fmt: skip
 
 def describe_exit(code: int | None) -> str:
@@ -55,18 +59,18 @@ def torch_crash_words(pid: int | None, code: int | None) -> str:
 
 
 class Slots:
-    """One row per worker of an owned process pool: ``pid, phase, task_id, start_ns``."""
+    """One row per worker of an owned process pool: ``pid, phase, seq, start_ns, ready_ns``."""
 
-    WIDTH = 4
-    STARTING, READY, ACCEPTED, RUNNING, HOLDING = range(5)
+    WIDTH = 5
+    STARTING, READY, ACCEPTED, LOADING, INITIALIZING, RUNNING, HOLDING = range(7)
 
     def __init__(self, raw: Any) -> None:
         self.rows = np.frombuffer(raw, dtype=np.int64).reshape(-1, self.WIDTH)
 
-    def row(self, slot: int) -> tuple[int, int, int, int]:
-        """``(pid, phase, seq, start_ns)`` of row ``slot``, as of now."""
+    def row(self, slot: int) -> tuple[int, int, int, int, int]:
+        """``(pid, phase, seq, start_ns, ready_ns)`` of row ``slot``, as of now."""
         r = self.rows[slot].copy()
-        return int(r[0]), int(r[1]), int(r[2]), int(r[3])
+        return int(r[0]), int(r[1]), int(r[2]), int(r[3]), int(r[4])
 
 
 class SharedTable:
@@ -90,7 +94,6 @@ def _reopen(dup: Any, size: int) -> SharedTable:
 
 
 _row: Any = None  # this worker's row of its pool's table
-local_starts: dict[int, int] = {}  # task_id -> start_ns, for tasks run without a table
 
 
 def claim(table: Any, slot: int, pid: int) -> None:
@@ -99,6 +102,7 @@ def claim(table: Any, slot: int, pid: int) -> None:
     if isinstance(table, SharedTable):
         table = table.buffer()
     _row = Slots(table).rows[slot]
+    _row[4] = 0
     _row[2] = -1
     _row[1] = Slots.STARTING
     _row[0] = pid
@@ -117,19 +121,29 @@ def holding() -> None:
     _row[1] = Slots.HOLDING
 
 
-def mark(phase: int, task_id: int = -1, start: int = 0) -> None:
-    """Record this worker's phase (see the module docstring). In an owned worker the
-    channel's loop marks ``ACCEPTED`` and ``HOLDING`` (:func:`accepted`,
-    :func:`holding`): here only ``RUNNING`` and ``READY`` count."""
+def mark(phase: int, start: int = 0) -> None:
+    """Record this worker's phase (see the module docstring): ``READY``, ``LOADING``,
+    ``INITIALIZING`` or ``RUNNING`` (with its ``start``). The channel's loop marks
+    ``ACCEPTED`` and ``HOLDING`` (:func:`accepted`, :func:`holding`). Without a table
+    (a thread, a borrowed executor) it does nothing."""
     row = _row
     if row is None:
-        if phase == Slots.RUNNING:
-            local_starts[task_id] = start
-        elif phase == Slots.HOLDING:
-            local_starts.pop(task_id, None)
         return
     if phase == Slots.RUNNING:
         row[3] = start
-        row[1] = phase
     elif phase == Slots.READY:
-        row[1] = phase
+        row[2] = -1
+        row[3] = 0
+        row[4] = time.monotonic_ns()  # the pool times a task sent while it started from here
+    row[1] = phase
+
+
+def starting(k: int, step: int) -> None:
+    """While the worker starts (its phase stays ``STARTING``): it is at payload ``k`` of
+    those it was given, unpickling it (``step`` ``LOADING``) or running its loader's
+    ``worker_init_fn`` (``INITIALIZING``). A start killed for hanging names them."""
+    row = _row
+    if row is None:
+        return
+    row[3] = step
+    row[2] = k

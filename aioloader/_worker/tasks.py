@@ -253,7 +253,8 @@ def worker_main(
                 return  # the consumer is gone before this worker started
             payloads = pickle.loads(body)
             del body
-        for token, payload in payloads.items():
+        for k, (token, payload) in enumerate(payloads.items()):
+            _slots.starting(k, Slots.LOADING)  # a stuck start names the loader and the step
             try:
                 ctx = _load_payload(token, payload)
             except DatasetPickleError as exc:
@@ -261,6 +262,7 @@ def worker_main(
                 continue
             if _torch_threads_pending:  # before worker_init_fn, which may set its own
                 _one_torch_thread()
+            _slots.starting(k, Slots.INITIALIZING)
             _run_init(ctx)
         del payloads
     except BaseException as exc:
@@ -316,6 +318,7 @@ def context_of(task: Any, kind: type[WorkerContext] = WorkerContext) -> WorkerCo
     if ctx is None:
         if payload is None:
             return None
+        _slots.mark(Slots.LOADING)  # a timeout names the unpickling of the payload
         ctx = _load_payload(task.token, payload)
     if not isinstance(ctx, kind):  # pragma: no cover - tokens are uuids
         raise TypeError(f"aioloader: token {task.token} names another kind of loader")
@@ -334,14 +337,10 @@ def run_task(
     when this worker has not seen the loader and the task came without its payload.
     Exceptions from user code propagate with their own type and the notes ``build``
     added (BaseExceptions too: :class:`aioloader._worker.reply.Entry` carries them home)."""
-    _slots.mark(Slots.ACCEPTED, task.task_id)
-    try:
-        ctx = context_of(task, kind)
-        if ctx is None:
-            return NEED_PAYLOAD
-        return _run_in(ctx, task, build, result)
-    finally:
-        _slots.mark(Slots.HOLDING, task.task_id)
+    ctx = context_of(task, kind)
+    if ctx is None:
+        return NEED_PAYLOAD
+    return _run_in(ctx, task, build, result)
 
 
 def _run_in(
@@ -351,12 +350,13 @@ def _run_in(
     if _torch_threads_pending:
         _one_torch_thread()
     if not ctx.init_done:
+        _slots.mark(Slots.INITIALIZING)  # a timeout names worker_init_fn
         _run_init(ctx)
     if ctx.init_error is not None:
         raise ctx.init_error
     _info.publish(ctx, getattr(task, "seed", ctx.seed))
     start = time.monotonic_ns()
-    _slots.mark(Slots.RUNNING, task.task_id, start)
+    _slots.mark(Slots.RUNNING, start)
     if not ctx.seed_samples:
         fields = build(ctx, task)
     elif ctx.remote:
@@ -384,21 +384,17 @@ def run_group(task: GroupTask) -> GroupResult | str:
     :mod:`aioloader._engine.group`). A batch that raises fails alone: its exception
     travels as its outcome and the next batch is built. Every batch is seeded from
     its own position, as if it were a task of its own."""
-    _slots.mark(Slots.ACCEPTED, task.task_id)
-    try:
-        ctx = context_of(task)
-        if ctx is None:
-            return NEED_PAYLOAD
-        start = time.monotonic_ns()
-        outcomes: list[BatchResult | _reply.Failed] = []
-        for member in task.members:
-            try:
-                outcomes.append(_run_in(ctx, member, _build, BatchResult))
-            except BaseException as exc:  # SystemExit too: it fails its own batch only
-                outcomes.append(_reply.Failed.of(exc))
-        return GroupResult(tuple(outcomes), os.getpid(), start, time.monotonic_ns())
-    finally:
-        _slots.mark(Slots.HOLDING, task.task_id)
+    ctx = context_of(task)
+    if ctx is None:
+        return NEED_PAYLOAD
+    start = time.monotonic_ns()
+    outcomes: list[BatchResult | _reply.Failed] = []
+    for member in task.members:
+        try:
+            outcomes.append(_run_in(ctx, member, _build, BatchResult))
+        except BaseException as exc:  # SystemExit too: it fails its own batch only
+            outcomes.append(_reply.Failed.of(exc))
+    return GroupResult(tuple(outcomes), os.getpid(), start, time.monotonic_ns())
 
 
 def reads_batches(dataset: Any) -> bool:
