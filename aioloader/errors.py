@@ -13,7 +13,7 @@ The tree::
     ├── RemoteError              (also RuntimeError)  user code raised an unpicklable exception
     ├── WorkerCrashedError       (also RuntimeError)  a batch kept killing its worker
     ├── PoolBrokenError          (also RuntimeError)  the pool cannot run anything
-    ├── LoaderTimeout            (also TimeoutError)  a batch ran longer than ``timeout``
+    ├── LoaderTimeout            (also TimeoutError)  a batch overran ``timeout`` once due
     ├── DeadlineExceeded         (also TimeoutError)  a Batcher request's deadline passed
     ├── Overloaded               (also RuntimeError)  a Batcher refused a request (full, or too late)
     ├── TooManySkippedError      (also RuntimeError)  ``on_error="skip"`` passed ``max_skipped``
@@ -124,8 +124,11 @@ class PoolBrokenError(AioLoaderError, RuntimeError):
 
 
 class LoaderTimeout(AioLoaderError, TimeoutError):
-    """A batch was not delivered within ``timeout`` seconds of a worker starting it.
+    """A batch was not delivered within ``timeout`` seconds of being due.
 
+    A batch is due once its worker could start it. The message names the worker's pid
+    and what hung: the batch itself, the loader's ``worker_init_fn``, the unpickling of
+    its dataset, or a worker that never took the batch up (a stopped process, say).
     The stuck worker was killed and replaced; the loader stays usable.
     Attributes: ``indices``, ``timeout``.
     """

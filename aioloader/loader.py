@@ -101,9 +101,15 @@ class DataLoader(IterableLoader, Resumable, Generic[Batch]):
             The default (or ``"auto"``) starts at ``2 * num_workers``, at least 2, and grows,
             up to 16x and within 64 MiB of batches, while batches are cheap (see
             ``batches_per_task``); ``stats().window`` says where it is. An int fixes it.
-        timeout: seconds a batch may take from the moment a worker starts it; on expiry
-            :class:`~aioloader.LoaderTimeout` is raised and the worker is killed. ``None``
-            or ``0`` (torch's default): none; ``loader.timeout`` is then ``0``, as in torch.
+        timeout: seconds a batch may take from the moment it is *due*: when its worker
+            could start it (it was sent to an idle worker, or the batch ahead of it on that
+            worker was answered). Time queued behind other work does not count; the
+            loader's ``worker_init_fn`` and the unpickling of its dataset in a worker that
+            loads them for this batch do. On expiry :class:`~aioloader.LoaderTimeout` names
+            the worker's pid and what hung, and the worker is killed (a stopped one too)
+            and replaced. A worker stuck in its own start is given max(``timeout``, 30 s).
+            ``None`` or ``0`` (torch's default): none; ``loader.timeout`` is then ``0``, as
+            in torch.
         worker_init_fn: called once in each worker with the worker's id. A seed it sets
             for ``random``, numpy or torch is replaced by the per-batch seeding; pass
             ``seed_samples=False`` to keep it.

@@ -136,9 +136,10 @@ class Batcher(LoaderBase, Generic[Batch]):
         prefetch: micro-batches dispatched at once (default ``num_workers + 1``: one per
             worker and one ready behind them; requests beyond that wait in the queue,
             where they can still be prioritised, cancelled or expired).
-        timeout: seconds a micro-batch may run in a worker before it is killed; its
-            requests then run one a task, and one that overruns alone fails with
-            :class:`~aioloader.LoaderTimeout`.
+        timeout: seconds a micro-batch may take from the moment it is due (its worker
+            could start it: sent to an idle worker, or the task ahead of it answered)
+            before its worker is killed and replaced; its requests then run one a task,
+            and one that overruns alone fails with :class:`~aioloader.LoaderTimeout`.
         max_retries: resubmissions of a task whose worker died holding it. A micro-batch
             of several requests is not resubmitted whole: its requests run again one a
             task, each with this many retries of its own.

@@ -80,9 +80,10 @@ class StreamLoader(IterableLoader, Generic[Batch]):
         max_retries: resubmissions of a task whose worker died while running it. A
             micro-batch of several items is not resubmitted whole: its items run again
             one a task, each with this many retries (see :doc:`streaming`).
-        timeout: seconds a micro-batch may run in a worker; on expiry the worker is
-            killed and the items run again one a task; one that overruns alone raises
-            :class:`~aioloader.LoaderTimeout`.
+        timeout: seconds a micro-batch may take from the moment it is due (its worker
+            could start it: sent to an idle worker, or the task ahead of it answered); on
+            expiry the worker is killed and replaced, and the items run again one a task;
+            one that overruns alone raises :class:`~aioloader.LoaderTimeout`.
         mp_context: start method name or context (default ``forkserver``, else ``spawn``).
         pool: a :class:`~aioloader.WorkerPool` shared with other loaders (never closed
             by the stream).
