@@ -98,7 +98,7 @@ class _Worker:
 
     __slots__ = (
         "born_ns", "channel", "code", "end", "eof", "fd", "inbuf", "kill_asked", "last_ns", "out", "pid", "process",
-        "ready", "sent", "seqs", "session", "slot", "start", "tokens", "watched", "why_killed",
+        "ready", "sent", "seqs", "session", "slot", "start", "starting", "tokens", "watched", "why_killed",
     )  # fmt: skip
 
     def __init__(self, slot: int, channel: socket.socket) -> None:
@@ -108,6 +108,7 @@ class _Worker:
         self.pid = 0  # known once started (a zygote's report may come after its replies)
         self.process: Any = None  # multiprocessing's Process, where it started this one
         self.session: _zygote.Session | None = None  # the fork server's, where it started this one
+        self.starting = False  # multiprocessing is starting its process, in a thread of its own
         self.sent: collections.deque[Job] = collections.deque()  # unanswered, in channel order
         self.out: collections.deque[memoryview] = collections.deque()  # what the socket did not take yet
         self.inbuf = bytearray(READ)  # what it wrote: frames in [start, end)
@@ -176,14 +177,16 @@ class Procs:
         self._sel.register(self._wake_r, selectors.EVENT_READ, None)
         if zygote is not None:
             self._sel.register(zygote.sock, selectors.EVENT_READ, "zygote")
+        self._starters: set[threading.Thread] = set()  # starting multiprocessing's processes
         self._thread = threading.Thread(target=self._serve, name="aioloader-pool", daemon=True)
         self._ended = threading.Event()
         _live.add(self)
 
     # ------------------------------------------------------------------ starting
     def start(self) -> None:
-        """Start every worker (a zygote's return at once; multiprocessing's once each
-        process is forked), then the I/O thread. Tasks may be sent at once."""
+        """Start every worker (each returns at once: a request to the fork server, or a
+        thread that has multiprocessing start it), then the I/O thread. Tasks may be sent
+        at once."""
         with self._lock:
             if self.started:
                 return
@@ -196,7 +199,8 @@ class Procs:
     def _spawn(self, slot: int) -> None:
         """A new worker in ``slot`` (the lock held). A failure to start it counts as a
         worker that died as it started."""
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        ours, theirs_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        theirs: socket.socket | None = theirs_end
         with contextlib.suppress(OSError):
             ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCKBUF)
         ours.setblocking(False)
@@ -214,29 +218,67 @@ class Procs:
             if zygote is not None:
                 w.out.append(_channel.frame(payloads))  # the worker's first frame
                 w.session = zygote
-                self._requests[zygote.request(slot, theirs.fileno(), self._table_fd, self._table_size, self.n)] = slot
+                self._requests[zygote.request(slot, theirs_end.fileno(), self._table_fd, self._table_size, self.n)] = slot
             else:
                 if self._ctx.get_start_method() != "fork":
                     _byvalue.drop_fake_main_file()
                 process = self._ctx.Process(
                     target=_tasks.worker_main,
-                    args=(theirs, slot, self._shared, self.n, os.getpid(), payloads),
+                    args=(theirs_end, slot, self._shared, self.n, os.getpid(), payloads),
                     name=f"aioloader-worker-{slot}",
                     daemon=True,
                 )
-                process.start()
-                w.process, w.pid = process, process.pid
-                self._by_pid[w.pid] = w
+                # Starting it can take seconds (spawn writes the payload into a pipe that
+                # the child reads once it has imported the script): not under the lock,
+                # not on the I/O thread. Jobs wait in its channel meanwhile.
+                starter = threading.Thread(
+                    target=self._start_process, args=(w, process, theirs_end), name="aioloader-start", daemon=True
+                )
+                w.starting = True
+                self._starters.add(starter)
+                starter.start()
+                theirs = None
         except Exception as exc:
-            theirs.close()
+            w.starting = False
+            if theirs is not None:
+                theirs.close()
             self._register(w)
             self._died(w, None, exc)  # as a worker that died as it started
             return
         finally:
-            with contextlib.suppress(OSError):
-                theirs.close()
+            if theirs is not None:
+                with contextlib.suppress(OSError):
+                    theirs.close()
         self._register(w)
         self._flush_pending(w)
+
+    def _start_process(self, w: _Worker, process: Any, theirs: socket.socket) -> None:
+        """Start a worker's process (in a thread of its own; see :meth:`_spawn`)."""
+        failure: Exception | None = None
+        try:
+            process.start()
+        except Exception as exc:
+            failure = exc
+        try:
+            with self._lock:
+                w.starting = False
+                if failure is None:
+                    w.process, w.pid = process, process.pid
+                    if w.code is not None or w.kill_asked or self._wake_r < 0:
+                        with contextlib.suppress(ValueError, OSError):
+                            process.kill()  # the pool gave up on it meanwhile
+                    if w.code is None and self._wake_r >= 0:
+                        self._by_pid[w.pid] = w
+                        self._sel.register(process.sentinel, selectors.EVENT_READ, ("sentinel", w))
+                        self._snapshot_pids()
+        finally:
+            with contextlib.suppress(OSError):
+                theirs.close()
+            self._starters.discard(threading.current_thread())
+        if failure is not None:
+            self._died(w, None, failure)  # as a worker that died as it started
+        elif w.code is not None:
+            process.join(5.0)
 
     def _live_session(self) -> _zygote.Session | None:
         """The pool's session with the fork server; a new one if the server died (its
@@ -254,7 +296,7 @@ class Procs:
 
     def _register(self, w: _Worker) -> None:
         self._sel.register(w.fd, selectors.EVENT_READ, w)
-        if w.process is not None:
+        if w.process is not None and not w.starting:
             self._sel.register(w.process.sentinel, selectors.EVENT_READ, ("sentinel", w))
         if w.out:
             self._wake()
@@ -296,20 +338,30 @@ class Procs:
             job.settle(error)
         self._settle_unsent()
 
+    def _live(self) -> list[_Worker]:
+        return [w for w in self._workers if w is not None]
+
     def _least_busy(self) -> _Worker | None:
+        """The live worker with the fewest unanswered jobs, one that is up first."""
         workers, n = self._workers, self.n
         best = None
         for k in range(n):
             w = workers[(self._turn + k) % n]
-            if w is not None and w.code is None and not w.why_killed and (best is None or len(w.sent) < len(best.sent)):
+            if w is None or w.code is not None or w.why_killed:
+                continue
+            if best is None or (not w.ready, len(w.sent)) < (not best.ready, len(best.sent)):
                 best = w
         self._turn += 1
         return best
 
     def _takes(self, w: _Worker, job: Job) -> bool:
         """May ``job`` go to ``w`` now? A job ``alone`` (a shard: it holds its worker for
-        the epoch) goes only to a worker with nothing else, and nothing goes behind it."""
+        the epoch) goes only to a worker with nothing else, and nothing goes behind it.
+        A worker not up yet takes jobs only while no other is up: a replacement whose start
+        is slow must not hold work that a live worker could do."""
         if w.code is not None or w.why_killed:
+            return False
+        if not w.ready and any(o is not w and o.ready and o.code is None and not o.why_killed for o in self._live()):
             return False
         if w.sent:
             return not job.alone and not w.sent[0].alone and len(w.sent) < self.depth
@@ -527,12 +579,13 @@ class Procs:
         jobs = []
         now = time.monotonic_ns()
         with self._lock:
+            up = not w.ready  # its first frame: it says it is up (see channel.serve)
             w.ready = True
             self._start_failures = 0
             answered = False
             for span in spans:
                 if span[2]:  # a message of the running task: the oldest unanswered job's
-                    jobs.append(w.sent[0] if w.sent else None)
+                    jobs.append(w.sent[0] if w.sent and span[1] > span[0] else None)
                     continue
                 answered = True
                 job = w.sent.popleft() if w.sent else None
@@ -541,6 +594,7 @@ class Procs:
                 jobs.append(job)
             if answered:
                 w.last_ns = now
+            if answered or up:
                 self._flush_pending(w)
                 self._idle.notify_all()
         self._settle_unsent()
@@ -566,7 +620,7 @@ class Procs:
         w.eof = True
         with contextlib.suppress(KeyError, ValueError):
             self._sel.unregister(w.fd)
-        if w.process is None and (w.session is None or w.session.dead):
+        if w.process is None and not w.starting and (w.session is None or w.session.dead):
             self._died(w, None)  # nobody will report its exit code
 
     def _reports(self) -> None:
@@ -885,6 +939,8 @@ class Procs:
 
     def _release(self, grace: float) -> None:
         """Once the I/O thread is done (or never ran): reap, fail what is left, free."""
+        for starter in list(self._starters):  # each kills the process it started, if it was asked to
+            starter.join(10.0)
         with self._lock:
             workers = [w for w in self._workers if w is not None]
         for w in workers:

@@ -266,6 +266,10 @@ def serve(fd: int, run: Callable[[Callable[..., Any], tuple[Any, ...]], memoryvi
     link = Link(fd)
     set_link(link)
     try:
+        try:  # an empty message: "up" (the pool gives work to a started worker first)
+            os.write(fd, HEAD.pack(PART))
+        except (BrokenPipeError, ConnectionResetError):
+            return False
         while True:
             got = link.take()
             if got is None:
