@@ -52,6 +52,16 @@ which gives the same tensors as aioloader gives a torch ``IterableDataset``:
    end of its first and only epoch (worker start included). The shards are written once,
    beside the JPEGs. ``hfmap`` and ``hfstream`` need ``pip install datasets`` (the dev
    extra has it).
+9. ``start``: how fast workers start in a real training script, the gate of issue 49.
+   Each run is a fresh process that runs ``_train_start.py``: it imports torch and numpy,
+   defines a dataset of 4,096 samples of ``np.full(8, i)`` in ``__main__``, 2 workers,
+   batch 32 -> seconds from a loader's construction to its first batch, in three cases:
+   ``thread`` (an idle thread started before the loader), ``second`` (a val loader built
+   while a train loader, read to its first batch, lives on) and ``plain`` (one loader,
+   nothing else). ``--start-cases`` may add ``tqdm`` (the thread is tqdm's monitor).
+   Beside ``torch-numpy`` (fork, persistent workers, a numpy collate); medians of
+   ``--start-runs`` processes (default 5), each case against torch and the goal
+   "within 1.5x torch + 50 ms".
 
 On ``jpeg``, ``tiny`` and ``dispatch``, ``aioloader-auto`` is aioloader with
 ``num_workers="auto", prefetch="auto"`` (2 workers on a 2-core machine; the window grows
@@ -71,6 +81,7 @@ half as long again)::
     python examples/benchmarks/bench_suite.py --json performance.json --png docs/performance.png
     python examples/benchmarks/bench_suite.py --redraw performance.json --png docs/performance.png
     python examples/benchmarks/bench_suite.py --workloads iterable,hfmap,hfstream --reps 3
+    python examples/benchmarks/bench_suite.py --workloads start --start-runs 5
 """
 
 from __future__ import annotations
@@ -92,6 +103,7 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 import _bench_proc  # noqa: E402  (beside this script)
+import _bench_start  # noqa: E402
 
 TORCH_LOADERS = ("torch-numpy", "torch-persistent", "torch")
 # The other loaders users weigh: the best of these and torch's is "the best peer".
@@ -115,6 +127,8 @@ WORKLOAD_LOADERS: dict[str, tuple[str, ...]] = {
     "iterable": ("aioloader", "torch-numpy", "torch-persistent"),
     "hfmap": ("aioloader", "torch-numpy"),
     "hfstream": ("aioloader", "torch-numpy", "torch-persistent"),
+    # Fresh training scripts, one loader's start each (``_bench_start.py``).
+    "start": ("aioloader", "torch-numpy"),
 }
 # What runs without --workloads; the others are named there (or run with "all").
 DEFAULT_WORKLOADS = ("jpeg", "tiny", "boundary", "dispatch", "cold")
@@ -413,6 +427,25 @@ def run_child(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
         f"benchmark child failed ({spec['workload']}, {spec['loader']}), exit code {proc.returncode}:\n"
         f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     )
+
+
+def run_start(cases: tuple[str, ...], runs: int, started: float) -> dict[str, dict[str, list[float]]]:
+    """The start workload: ``runs`` fresh processes per case and loader, interleaved, the
+    order of the loaders rotating from one run to the next."""
+    kinds = WORKLOAD_LOADERS["start"]
+    times: dict[str, dict[str, list[float]]] = {k: {c: [] for c in cases} for k in kinds}
+    for rep in range(runs):
+        order = kinds[rep % len(kinds) :] + kinds[: rep % len(kinds)]
+        for case in cases:
+            for kind in order:
+                res = _bench_start.run_one("torch" if kind.startswith("torch") else "aioloader", case)
+                times[kind][case].append(res["first_batch_s"])
+                print(
+                    f"[{time.perf_counter() - started:6.1f} s] run {rep + 1}/{runs} start {case:<6} {kind:<12} "
+                    f"first batch in {res['first_batch_s'] * 1e3:.1f} ms",
+                    flush=True,
+                )
+    return times
 
 
 def _version(package: str) -> str | None:
@@ -781,6 +814,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iterable-samples", type=int, default=100_000)
     parser.add_argument("--hfmap-rows", type=int, default=20_000)
     parser.add_argument("--hfstream-rows", type=int, default=4_000)
+    parser.add_argument("--start-runs", type=int, default=5, help="fresh processes per start case and loader")
+    parser.add_argument(
+        "--start-cases",
+        default=",".join(_bench_start.DEFAULT_CASES),
+        help=f"start cases, comma-separated: {', '.join(_bench_start.ALL_CASES)}",
+    )
     parser.add_argument(
         "--boundary-images", type=int, default=512, help="images per epoch in the epoch-boundary runs"
     )
@@ -824,6 +863,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown workloads {unknown}: choose from {', '.join(WORKLOAD_LOADERS)}, or all")
     if any(w in HF_WORKLOADS for w in workloads):
         require_datasets()
+    try:
+        start_cases = _bench_start.parse_cases(args.start_cases)
+    except ValueError as e:
+        parser.error(str(e))
     specs: dict[str, dict[str, Any]] = {}
     root = (args.cache or default_cache()) / f"bench-jpegs-{args.images}"
     if "jpeg" in workloads or "boundary" in workloads:
@@ -887,6 +930,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"done in {time.perf_counter() - t0:.1f} s",
                     flush=True,
                 )
+    start_times = run_start(start_cases, args.start_runs, started) if "start" in workloads else None
 
     import torch
 
@@ -942,6 +986,13 @@ def main(argv: list[str] | None = None) -> int:
     if "hfstream" in results["workloads"]:
         print(fmt_epoch_with_start("## HF streaming, 4 parquet shards: one epoch, start included",
                                    results["workloads"]["hfstream"]))  # fmt: skip
+        print()
+    if start_times is not None:
+        summary = _bench_start.summarize(start_times, "torch-numpy")
+        summary["config"] = {"runs": args.start_runs, "cases": list(start_cases), "samples": 4096, "batch_size": 32}
+        results["workloads"]["start"] = summary
+        results["raw"]["start"] = start_times
+        print(_bench_start.fmt("## Start in a fresh training script (issue 49)", summary, "torch-numpy"))
         print()
     print(f"total {time.perf_counter() - started:.0f} s")
     if args.json:
