@@ -31,6 +31,16 @@ credit::
 
     python examples/benchmarks/bench_ab.py /tmp/before . --workload iterable --pairs 4
 
+``--workload start`` is the suite's start workload (issue 49): each run is a fresh
+training script (``_train_start.py``: torch and numpy imported, a dataset of 4,096
+``np.full(8, i)`` in ``__main__``, 2 workers, batch 32), timed from a loader's
+construction to its first batch, in each of ``--cases`` (default ``thread,second,plain``;
+``tqdm`` too on request). ``--pairs`` defaults to 5 here. A third side ``torch`` runs
+torch's ``DataLoader`` (fork, persistent workers, a numpy collate), and each checkout is
+then set against it and the goal "within 1.5x torch + 50 ms"::
+
+    python examples/benchmarks/bench_ab.py /tmp/before . torch --workload start --pairs 5
+
 ``--one`` measures the aioloader that ``import aioloader`` finds (what each run does).
 """
 
@@ -48,6 +58,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import _bench_proc  # noqa: E402  (beside this script)
+import _bench_start  # noqa: E402
 
 WORKLOADS = {
     "tiny": (200_000, 256),
@@ -56,6 +67,7 @@ WORKLOADS = {
     "pickled": (12_800, 64),
     "jpeg": (2_048, 64),
     "iterable": (100_000, 64),
+    "start": (4_096, 32),
 }
 
 
@@ -153,6 +165,32 @@ def one(workload: str, face: str, epochs: int, samples: int | None = None) -> st
     return f"{batches / wall:7.0f} batches/s  main {main_us:4.0f} us a batch  workers {workers_us:4.0f} us a batch{extra}"
 
 
+def start_ab(
+    labelled: list[tuple[str, str]], cases: tuple[str, ...], pairs: int, samples: int | None
+) -> None:
+    """The start workload: each side, case and pair in a fresh training script."""
+    times: dict[str, dict[str, list[float]]] = {f"{label} ({tree})": {} for label, tree in labelled}
+    for k in range(pairs):
+        order = labelled[k % len(labelled) :] + labelled[: k % len(labelled)]
+        for case in cases:
+            for label, tree in order:
+                if tree == "torch":
+                    res = _bench_start.run_one("torch", case, samples=samples)
+                else:
+                    path = str(Path(tree).resolve())
+                    res = _bench_start.run_one("aioloader", case, pythonpath=path, samples=samples)
+                ms = res["first_batch_s"] * 1e3
+                print(f"{label} {case:<6} first batch {ms:7.1f} ms", flush=True)
+                times[f"{label} ({tree})"].setdefault(case, []).append(res["first_batch_s"])
+    torch_side = next((f"{label} (torch)" for label, tree in labelled if tree == "torch"), None)
+    summary = _bench_start.summarize(times, torch_side)
+    print()
+    print(_bench_start.fmt("start: construction to first batch", summary, torch_side))
+    a, b = (f"{label} ({tree})" for label, tree in labelled[:2])
+    for case, row in summary["cases"].items():
+        print(f"{case}: B/A {row[b]['median_s'] / row[a]['median_s']:.3f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
@@ -161,18 +199,34 @@ def main() -> None:
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="tiny")
     ap.add_argument("--face", choices=("for", "async-for"), default="for")
     ap.add_argument("--epochs", type=int, default=4)
-    ap.add_argument("--pairs", type=int, default=3)
+    ap.add_argument("--pairs", type=int, default=None, help="default 3; 5 with start")
+    ap.add_argument(
+        "--cases",
+        default=",".join(_bench_start.DEFAULT_CASES),
+        help=f"with start: comma-separated, of {', '.join(_bench_start.ALL_CASES)}",
+    )
     ap.add_argument("--samples", type=int, default=None, help="instead of the workload's own count")
     ap.add_argument("--one", action="store_true", help="one run of the importable aioloader")
     ap.add_argument("--torch", action="store_true", help="with --one and cold: torch's DataLoader")
     args = ap.parse_args()
+    if args.one and args.workload == "start":
+        ap.error("start runs _train_start.py itself: python _train_start.py --loader aioloader --case thread")
     if args.one:
         line = cold(args.torch) if args.workload == "cold" else one(args.workload, args.face, args.epochs, args.samples)
         print(line, flush=True)
         return
     sides = list(args.checkouts)
-    if len(sides) != 2 and not (args.workload == "cold" and len(sides) == 3 and sides[2] == "torch"):
-        ap.error("give two checkouts (with --workload cold, a third may be torch), or --one")
+    if len(sides) != 2 and not (args.workload in ("cold", "start") and len(sides) == 3 and sides[2] == "torch"):
+        ap.error("give two checkouts (with --workload cold or start, a third may be torch), or --one")
+    if args.pairs is None:
+        args.pairs = 5 if args.workload == "start" else 3
+    if args.workload == "start":
+        try:
+            cases = _bench_start.parse_cases(args.cases)
+        except ValueError as e:
+            ap.error(str(e))
+        start_ab(list(zip("ABC", sides, strict=False)), cases, args.pairs, args.samples)
+        return
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     cmd = [sys.executable, str(Path(__file__).resolve()), "--one", "--workload", args.workload]
     cmd += ["--face", args.face, "--epochs", str(args.epochs)]
