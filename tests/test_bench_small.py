@@ -1,10 +1,12 @@
 """The benchmarks that no other test runs, each run for real at its smallest so that it
-cannot rot: the shared-memory throughput one (``bench_ipc.py``) and the StreamLoader
-latency one (``bench_stream_latency.py``). The figures are not checked (no timing
+cannot rot: the shared-memory throughput one (``bench_ipc.py``), the StreamLoader
+latency one (``bench_stream_latency.py``), and issue 49's start workloads (the suite's
+and bench_ab's ``start``, ``bench_lightning.py``). The figures are not checked (no timing
 thresholds in tests), only that every configuration ran and reported them."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -12,6 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from .conftest import TORCH_REQUIRED_ON
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "examples" / "benchmarks"
@@ -49,3 +53,52 @@ def test_bench_stream_latency_smallest_run_reports_both_scenarios(tmp_path: Path
     assert result["added"]["items"] > 0 and result["deadline"]["items"] > 0
     assert result["deadline"]["mean_batch"] >= 1
     assert {"p50", "p99"} <= set(result["added"]["added_ms"])
+
+
+@pytest.mark.torch
+def test_bench_suite_start_workload_reports_each_case_against_torch(tmp_path: Path) -> None:
+    """One fresh training script per case and loader: each case has a time for aioloader
+    and torch, and aioloader's is set against torch's and the goal. Two cases, to keep
+    it short: a second loader (two loaders in one script) and tqdm's thread."""
+    out = tmp_path / "start.json"
+    proc = _run("bench_suite.py", "--workloads", "start", "--start-runs", "1",
+                "--start-cases", "second,tqdm", "--json", str(out), cwd=tmp_path)  # fmt: skip
+    cases = json.loads(out.read_text())["workloads"]["start"]["cases"]
+    assert list(cases) == ["second", "tqdm"], cases
+    for case, row in cases.items():
+        assert set(row) == {"aioloader", "torch-numpy"}, (case, row)
+        assert row["torch-numpy"]["median_s"] > 0 and row["aioloader"]["vs_torch"] > 0, (case, row)
+        assert "meets_goal" in row["aioloader"], row
+    assert "within 1.5x torch + 50 ms" in proc.stdout, proc.stdout
+
+
+@pytest.mark.torch
+def test_bench_ab_start_workload_times_both_checkouts_and_torch(tmp_path: Path) -> None:
+    proc = _run("bench_ab.py", str(ROOT), str(ROOT), "torch", "--workload", "start", "--pairs", "1",
+                "--cases", "plain", cwd=tmp_path)  # fmt: skip
+    runs = [line for line in proc.stdout.splitlines() if "first batch" in line and line[:2] in ("A ", "B ", "C ")]
+    assert sorted(line[0] for line in runs) == ["A", "B", "C"], proc.stdout
+    assert all(float(line.split()[-2]) > 0 for line in runs), runs
+    assert "plain: B/A" in proc.stdout and "goal (issue 49)" in proc.stdout, proc.stdout
+
+
+@pytest.mark.torch
+def test_bench_lightning_smallest_run_fits_with_both_loaders(tmp_path: Path) -> None:
+    """One fit per loader, with the progress bar (the variant with more in it)."""
+    if importlib.util.find_spec("lightning") is None:
+        if sys.version_info[:2] == TORCH_REQUIRED_ON:
+            pytest.fail('lightning is not installed; on Python 3.11 it must be (pip install -e ".[dev]")')
+        pytest.skip("lightning is not installed")
+    out = tmp_path / "lightning.json"
+    proc = _run("bench_lightning.py", "--runs", "1", "--samples", "128", "--variants", "progress bar",
+                "--json", str(out), cwd=tmp_path)  # fmt: skip
+    result = json.loads(out.read_text())
+    assert list(result["summary"]) == ["progress bar"], result["summary"]
+    rows = result["summary"]["progress bar"]
+    assert set(rows) == {"aioloader", "torch-persistent"}, rows
+    for row in rows.values():
+        assert 0 < row["first_train_batch_s"] < row["fit_s"], row
+    assert "meets_goal" in rows["aioloader"], rows
+    for runs in result["raw"]["progress bar"].values():
+        assert [run["train_batches"] for run in runs] == [2 * 2], runs  # 2 epochs of 128 samples, batch 64
+    assert "within 1.2x" in proc.stdout, proc.stdout
