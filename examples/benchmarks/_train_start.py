@@ -5,6 +5,9 @@ It times one loader from its construction to its first batch, in one of these ca
 - ``plain``: nothing else runs; the loader is the script's first.
 - ``thread``: an idle Python thread (it waits on an Event) started before the loader.
 - ``tqdm``: the same, but the thread is tqdm's monitor (a progress bar is open).
+- ``omp``: torch's intra-op thread pool (OpenMP, native threads) is running: a torch op
+  over more than 32,768 elements (torch's grain size) ran before the loader, as one
+  does in most training scripts.
 - ``second``: a train loader is built and read to its first batch, and kept; the timed
   loader is the val loader built after it.
 
@@ -31,7 +34,7 @@ import numpy as np
 import torch  # a training script imports it; a fresh worker interpreter would too
 import torch.utils.data
 
-CASES = ("plain", "thread", "tqdm", "second")
+CASES = ("plain", "thread", "tqdm", "omp", "second")
 
 
 class Rows:
@@ -78,6 +81,14 @@ def first_batch(kind: str, dataset: Rows, batch_size: int, shuffle: bool) -> tup
     return loader, it, elapsed
 
 
+def native_threads() -> int:
+    """Threads of this process, Python's and native ones (Linux)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return -1
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--loader", choices=("aioloader", "torch"), required=True)
@@ -98,12 +109,18 @@ def main() -> None:
         sink = open(os.devnull, "w")
         bar = tqdm.tqdm(total=len(train), file=sink)  # starts tqdm's monitor thread
         assert tqdm.tqdm.monitor is not None and tqdm.tqdm.monitor.is_alive()
+    elif args.case == "omp":
+        torch.ones(64, 1024).sum(1)  # runs on the intra-op pool, which stays up
     # Importing torch leaves a full collection of the cyclic GC due soon; it runs here, not
     # inside one loader's clock (as the suite's cold workload does).
     gc.collect()
     loaders: list[Any] = []
     iterators: list[Any] = []
-    result: dict[str, Any] = {"loader": args.loader, "case": args.case}
+    result: dict[str, Any] = {
+        "loader": args.loader,
+        "case": args.case,
+        "native_threads_before": native_threads(),
+    }
     if args.case == "second":
         loader, it, elapsed = first_batch(args.loader, train, args.batch_size, True)
         loaders.append(loader)  # the train loader lives on, as it does during validation

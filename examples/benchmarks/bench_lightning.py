@@ -21,10 +21,16 @@ training batch (a callback's ``on_train_batch_start``) and to the first val batc
 (Lightning's sanity check, which runs first). Then aioloader's time over torch's, against
 issue 49's goal: ``fit`` within 1.2x torch's.
 
-Usage (about 2 minutes on 2 cores with aioloader's start today)::
+The dataset is built with a torch op over 32,768 elements, which starts torch's intra-op
+(OpenMP) threads before the loaders start, as in most training scripts.
+``--intra-op-threads 1`` calls ``torch.set_num_threads(1)`` first in each script, so
+that those threads never start: the figure without them.
+
+Usage (with aioloader's start today, 3 runs take about 90 s on 2 cores, 5 about 150 s)::
 
     python examples/benchmarks/bench_lightning.py
     python examples/benchmarks/bench_lightning.py --runs 5 --json lightning.json
+    python examples/benchmarks/bench_lightning.py --intra-op-threads 1
 """
 
 from __future__ import annotations
@@ -52,7 +58,9 @@ GOAL = 1.2  # issue 49: aioloader's fit within 1.2x torch's
 FIGURES = ("fit_s", "first_train_batch_s", "first_val_batch_s")
 
 
-def run_one(loader: str, progress_bar: bool, samples: int | None, timeout: float = 300) -> dict[str, Any]:
+def run_one(
+    loader: str, progress_bar: bool, samples: int | None, intra_op: int | None = None, timeout: float = 300
+) -> dict[str, Any]:
     # With bytecode caching, as users run scripts.
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     cmd = [sys.executable, str(SCRIPT), "--loader", loader]
@@ -60,6 +68,8 @@ def run_one(loader: str, progress_bar: bool, samples: int | None, timeout: float
         cmd.append("--progress-bar")
     if samples:
         cmd += ["--samples", str(samples)]
+    if intra_op:
+        cmd += ["--intra-op-threads", str(intra_op)]
     proc = _bench_proc.run(cmd, env=env, timeout=timeout)  # returns once its helpers are gone
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("RESULT "):
@@ -138,6 +148,12 @@ def main(argv: list[str] | None = None) -> int:
         help=f"comma-separated: {', '.join(VARIANTS)} (default both)",
     )
     ap.add_argument("--samples", type=int, default=None, help="samples per loader (default 2,048)")
+    ap.add_argument(
+        "--intra-op-threads",
+        type=int,
+        default=None,
+        help="torch.set_num_threads first (1: no OpenMP threads)",
+    )
     ap.add_argument("--json", type=Path, default=None, help="write the runs and medians here")
     args = ap.parse_args(argv)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
@@ -154,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         order = labels[rep % len(labels) :] + labels[: rep % len(labels)]
         for variant in variants:
             for label in order:
-                res = run_one(LOADERS[label], VARIANTS[variant], args.samples)
+                res = run_one(LOADERS[label], VARIANTS[variant], args.samples, args.intra_op_threads)
                 raw[variant][label].append(res)
                 print(
                     f"[{time.perf_counter() - started:6.1f} s] run {rep + 1}/{args.runs} {variant:<12} {label:<16} "
