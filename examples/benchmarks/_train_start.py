@@ -4,6 +4,7 @@ It times one loader from its construction to its first batch, in one of these ca
 
 - ``plain``: nothing else runs; the loader is the script's first.
 - ``thread``: an idle Python thread (it waits on an Event) started before the loader.
+- ``early``: the same thread, started before ``import aioloader``.
 - ``tqdm``: the same, but the thread is tqdm's monitor (a progress bar is open).
 - ``omp``: torch's intra-op thread pool (OpenMP, native threads) is running: a torch op
   over more than 32,768 elements (torch's grain size) ran before the loader, as one
@@ -34,7 +35,7 @@ import numpy as np
 import torch  # a training script imports it; a fresh worker interpreter would too
 import torch.utils.data
 
-CASES = ("plain", "thread", "tqdm", "omp", "second")
+CASES = ("plain", "thread", "early", "tqdm", "omp", "second")
 
 
 class Rows:
@@ -96,10 +97,12 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=4096)
     ap.add_argument("--batch-size", type=int, default=32)
     args = ap.parse_args()
+    stop = threading.Event()
+    if args.case == "early":
+        threading.Thread(target=stop.wait, name="idle", daemon=True).start()
     if args.loader == "aioloader":
         import aioloader  # noqa: F401  (imported before the clock, as a script imports it)
     train, val = Rows(args.samples), Rows(args.samples // 4)
-    stop = threading.Event()
     bar = None
     if args.case == "thread":
         threading.Thread(target=stop.wait, name="idle", daemon=True).start()

@@ -58,8 +58,9 @@ which gives the same tensors as aioloader gives a torch ``IterableDataset``:
    batch 32 -> seconds from a loader's construction to its first batch, in three cases:
    ``thread`` (an idle thread started before the loader), ``second`` (a val loader built
    while a train loader, read to its first batch, lives on) and ``plain`` (one loader,
-   nothing else). ``--start-cases`` may add ``tqdm`` (the thread is tqdm's monitor) and
-   ``omp`` (torch's intra-op pool of native threads is up).
+   nothing else). ``--start-cases`` may add ``tqdm`` (the thread is tqdm's monitor),
+   ``omp`` (torch's intra-op pool of native threads is up) and ``early`` (the idle thread
+   starts before ``import aioloader``).
    Beside ``torch-numpy`` (fork, persistent workers, a numpy collate); medians of
    ``--start-runs`` processes (default 5), each case against torch and the goal
    "within 1.5x torch + 50 ms".
