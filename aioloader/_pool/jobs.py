@@ -49,7 +49,7 @@ class Job:
     """One submission of one task: what to run, and, once settled, its outcome."""
 
     __slots__ = (
-        "__weakref__", "alone", "args", "callback", "done", "fn", "gate", "lost", "on_part", "outcome",
+        "__weakref__", "alone", "args", "callback", "done", "fn", "frame", "gate", "lost", "on_part", "outcome",
         "sent_ns", "seq", "stopped", "submit_ns", "task_id", "timeout_ns", "unsent", "waiter", "waker", "why_stopped",
         "worker",
     )  # fmt: skip
@@ -59,6 +59,7 @@ class Job:
     ) -> None:
         self.fn = fn
         self.args = args
+        self.frame: Any = None  # its pickle, made before it waits for a worker (a backend's own)
         self.task_id = task_id
         self.alone = False  # it holds its worker for long: nothing may wait behind it
         # The running task's messages (its link's ``send``), from whichever thread reads

@@ -311,7 +311,15 @@ class Procs:
     # ------------------------------------------------------------------- sending
     def submit(self, job: Job) -> None:
         """Send ``job`` to a worker, or queue it. Settles it at once if the pool cannot
-        run anything (closed, or fatally broken)."""
+        run anything (closed, or fatally broken). It is pickled here, before the lock:
+        a large task takes no time from the I/O thread or from other senders."""
+        try:
+            job.frame = _channel.frame_parts((job.fn, job.args))
+        except BaseException as exc:
+            traceback.clear_frames(exc.__traceback__)
+            job.unsent = True
+            job.settle(_reply.Outcome(False, exc))
+            return
         error = None
         tick = False
         with self._lock:
@@ -368,11 +376,14 @@ class Procs:
         return True
 
     def _send(self, w: _Worker, job: Job) -> _reply.Outcome | None:
-        """Pickle ``job`` and write it into ``w``'s channel (the lock held). A job that
-        cannot be pickled is not sent: its error comes back as its outcome, to settle
-        once the lock is released."""
+        """Write ``job`` into ``w``'s channel (the lock held). Its pickle was made as it
+        was submitted; a job sent again (its worker died before it started it) is pickled
+        again here. A job that cannot be pickled is not sent: its error comes back as its
+        outcome, to settle once the lock is released."""
+        parts, job.frame = job.frame, None
         try:
-            parts = _channel.frame_parts((job.fn, job.args))
+            if parts is None:
+                parts = _channel.frame_parts((job.fn, job.args))
         except BaseException as exc:
             traceback.clear_frames(exc.__traceback__)
             job.unsent = True
