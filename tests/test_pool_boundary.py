@@ -291,8 +291,13 @@ def test_a_worker_killed_as_it_starts_leaves_later_pools_working(
             RangeDataset(16), 4, num_workers=2, mp_context=ctx, worker_init_fn=init
         ) as loader:
             assert [b[1].tolist() for b in collect(loader)] == expected
-            pids = loader.worker_pids()
             assert loader.stats().restarts == (1 if round_ == 0 else 0)
+            # A replacement that got no batch (the other worker was up) may still be starting.
+            wait_until(
+                lambda loader=loader: len(pids := loader.worker_pids()) == 2 and all((ids / str(p)).exists() for p in pids),
+                30.0, "every live worker's start",
+            )  # fmt: skip
+            pids = loader.worker_pids()
         assert (ids / "killed").exists()
         # The live generation's workers hold rows 0 and 1, one each.
         assert sorted(int((ids / str(p)).read_text()) for p in pids) == [0, 1]

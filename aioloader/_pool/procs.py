@@ -475,7 +475,7 @@ class Procs:
                     self._reports()
                 elif isinstance(data, tuple):
                     self._sentinel(data[1])
-                else:
+                elif data.code is None and not data.eof:  # else its channel closed earlier in this batch
                     if events & selectors.EVENT_WRITE:
                         self._flush(data)
                     if events & selectors.EVENT_READ:
