@@ -828,9 +828,11 @@ class Procs:
         with self._lock:
             timed = False
             for w in self._workers:
-                if w is None or w.code is not None or w.why_killed or not w.sent:
+                if w is None or w.code is not None or not w.sent:
                     continue
-                timed = timed or any(j.timeout_ns for j in w.sent)
+                timed = timed or any(j.timeout_ns for j in w.sent)  # a killed worker's go back to the queue
+                if w.why_killed:
+                    continue
                 job = w.sent[0]
                 if not job.timeout_ns or job.done:
                     continue
