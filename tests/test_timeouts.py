@@ -95,23 +95,21 @@ def test_a_worker_init_fn_that_never_returns_on_a_shared_pool_times_out(face: st
         )
         with first, second:
             assert _epoch(first, face) == (ALL, [])
-            it: Any = None
             if face == "for":
                 it = iter(second)
-                with pytest.raises(aioloader.LoaderTimeout) as info:
+                with pytest.raises(aioloader.LoaderTimeout) as raised:
                     next(it)
+                it.close()
+                exc = raised.value
             else:
                 got, errors = _epoch(second, face)
                 assert got == [] and len(errors) == 1
-                info = errors[0]  # type: ignore[assignment]
-            exc = info if isinstance(info, aioloader.LoaderTimeout) else info.value
+                exc = errors[0]
             text = str(exc)
             assert "was running the loader's worker_init_fn" in text, text
             found = re.search(r"worker pid (\d+)", text)
             assert found is not None  # the worker that hung: one of these, or one that replaced them
             assert exc.indices and exc.timeout == 1.0
-            if it is not None:
-                it.close()
             # The hung init holds no worker for good: the first loader goes on, and the
             # workers started since do not run the second loader's init as they start.
             assert _epoch(first, face) == (ALL, [])
