@@ -142,3 +142,45 @@ def test_a_job_behind_another_is_due_only_once_the_one_ahead_is_answered(tmp_pat
         assert asyncio.run(pool.result(behind)) == pid
     finally:
         pool.close()
+
+
+@pytest.mark.parametrize("face", FACES)
+def test_a_start_stuck_unpickling_the_dataset_names_it_and_the_loader_recovers(
+    face: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A start is given max(timeout, START_FLOOR_S); the floor is lifted here. The error
+    names the step that hung, and the replacement loads that dataset with its first
+    batch instead of as it starts."""
+    from aioloader._engine import dispatch
+
+    monkeypatch.setattr(dispatch, "START_FLOOR_S", 0.0)
+    marker = tmp_path / "stuck"
+    ds = H.UnpicklesSlowlyOnce(N, str(marker))
+    with aioloader.DataLoader(ds, BS, num_workers=2, timeout=1.0, prefetch_next_epoch=False) as loader:
+        if face == "for":
+            got = []
+            with pytest.raises(aioloader.LoaderTimeout) as raised:
+                for batch in loader:
+                    got.append(batch.tolist())
+            exc = raised.value
+        else:
+            got, errors = [], []
+
+            async def main() -> None:
+                try:
+                    async for batch in loader:
+                        got.append(batch.tolist())
+                except aioloader.LoaderTimeout as err:
+                    errors.append(err)
+
+            asyncio.run(main())
+            assert len(errors) == 1
+            exc = errors[0]
+        text = str(exc)
+        assert marker.exists() and "had not finished starting" in text, text
+        assert "the unpickling of a loader's payload (its dataset) did not return" in text, text
+        assert "worker_init_fn" not in text, text
+        assert exc.indices
+        whole = [b.tolist() for b in loader]
+        assert whole == ALL
+        assert loader.stats().restarts == 1
