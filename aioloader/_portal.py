@@ -91,6 +91,19 @@ class Portal:
         wait forever)."""
         return self._closed and not self._thread.is_alive()
 
+    def soon(self, callback: Callable[..., object], *args: Any) -> None:
+        """``call_soon_threadsafe`` on the portal's loop, from any thread.
+
+        A portal closed by another thread may have closed its loop already. The caller
+        then gets :class:`~aioloader.LoaderClosedError`, not the loop's RuntimeError.
+        """
+        try:
+            self.loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:
+            if self.loop.is_closed():
+                raise _closed_error() from None
+            raise
+
     def submit(self, coro: Coroutine[Any, Any, T]) -> cf.Future[T]:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
@@ -106,7 +119,7 @@ class Portal:
         # this call once per batch.
         call = _Call(coro)
         try:
-            self.loop.call_soon_threadsafe(call.start, self)
+            self.soon(call.start, self)
         except BaseException:  # the loop is closed: the coroutine will never run
             coro.close()
             raise
@@ -181,7 +194,7 @@ class Feed(Generic[T]):
         self._waiting = False
         self._task: asyncio.Task[None] | None = None
         self._stopped = False
-        portal.loop.call_soon_threadsafe(self._start)
+        portal.soon(self._start)
 
     def _start(self) -> None:  # on the loop
         if not self._stopped:

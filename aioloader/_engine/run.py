@@ -51,6 +51,8 @@ from .units import Delivery, RunConfig, Unit, UnitSource, closed_while_iterating
 
 __all__ = ["Run"]
 
+_CLOSE_SLICE = 0.05  # seconds: how often close_and_wait looks whether the run's loop closed
+
 
 class _Terminal:
     """The last entry of the ready queue: the source ended, or raised ``error``."""
@@ -99,6 +101,7 @@ class Run:
         self._terminal: _Terminal | None = None  # waiting for them
         self._producer: asyncio.Task[None] | None = None
         self._close_done: asyncio.Future[None] | None = None
+        self._cut = False  # its producer was cancelled from outside (see _produce)
         self._thread = threading.get_ident()  # the run's loop's
         self._waker = waker_for(self.loop)  # releases from other threads
 
@@ -136,6 +139,9 @@ class Run:
                 held -= 1
                 self._submit(unit)
         except asyncio.CancelledError:
+            # Only the run's close cancels its producer, after it set ``closed``. Else the
+            # loop's owner cancelled every task: asyncio.run is ending.
+            self._cut = not self.closed
             raise
         except BaseException as exc:
             error = exc
@@ -396,10 +402,34 @@ class Run:
             return None
         if not loop.is_running():
             return None
+        done: cf.Future[None] = cf.Future()
         try:
-            return asyncio.run_coroutine_threadsafe(self.aclose(), loop)
+            loop.call_soon_threadsafe(self._close_on_loop, done)
         except RuntimeError:  # the loop closed in between
             return None
+        return done
+
+    def _close_on_loop(self, done: cf.Future[None]) -> None:
+        """:meth:`close_threadsafe`'s callback, on the run's loop: ``done`` is set once
+        the run is closed.
+
+        The coroutine is made here, not in the caller's thread: a loop that closes
+        before it gets here drops a plain callback, and no coroutine is left never
+        awaited. A task made while ``asyncio.run`` shuts its loop down could be destroyed
+        pending. So none is made for a run that its consumer already closed, or whose
+        tasks the loop's owner cancelled.
+        """
+        closing: asyncio.Future[None] | None = self._close_done
+        if closing is None and self._cut:  # the loop is ending, its tasks are cancelled
+            self._abandoned()
+            done.set_result(None)
+            return
+        if closing is None:
+            closing = self.loop.create_task(self.aclose())
+        if closing.done():
+            done.set_result(None)
+        else:
+            closing.add_done_callback(lambda _: done.set_result(None))
 
     def _abandoned(self) -> None:
         """The run's loop closed under it (``asyncio.run`` ended while the run had gone
@@ -426,8 +456,17 @@ class Run:
     def close_and_wait(self, timeout: float = 10.0) -> None:
         """:meth:`aclose` from plain code (any thread), waiting up to ``timeout``."""
         fut = self.close_threadsafe()
-        if fut is not None:
+        if fut is None:
+            return
+        deadline = time.monotonic() + timeout
+        # In slices: a loop that closes first drops the callback, and fut never ends.
+        while not self.loop.is_closed() and time.monotonic() < deadline:
             try:
-                fut.result(timeout)
-            except (cf.TimeoutError, cf.CancelledError, RuntimeError):
-                pass
+                fut.result(_CLOSE_SLICE)
+                return
+            except cf.TimeoutError:
+                continue
+            except (cf.CancelledError, RuntimeError):
+                return
+        if self.loop.is_closed():
+            self._abandoned()

@@ -188,12 +188,13 @@ class Procs:
         thread that has multiprocessing start it), then the I/O thread. Tasks may be sent
         at once."""
         with self._lock:
-            if self.started:
+            if self.started or self.closed:  # closed first: start nothing (its jobs end lost)
                 return
             self.started = True
             for slot in range(self.n):
                 self._spawn(slot)
-        self._thread.start()
+            # Under the lock: close() sees either no thread for ever, or a running one.
+            self._thread.start()
         self._settle_unsent()
 
     def _spawn(self, slot: int) -> None:
@@ -934,9 +935,10 @@ class Procs:
                 for w in self._workers:
                     if w is not None and w.code is None:
                         self._put(w, memoryview(HEAD.pack(0)))  # after what it holds
+            never_ran = self._thread.ident is None  # start() starts it under this lock
         for job in jobs:
             job.settle(lost=Lost())
-        if not self._thread.is_alive() and self._thread.ident is None:
+        if never_ran:
             self._release(grace)
             return
         if threading.current_thread() is self._thread:
