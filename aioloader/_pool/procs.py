@@ -98,7 +98,8 @@ class _Worker:
 
     __slots__ = (
         "born_ns", "channel", "code", "end", "eof", "fd", "inbuf", "kill_asked", "last_ns", "out", "pid", "process",
-        "ready", "sent", "seqs", "session", "slot", "start", "starting", "tokens", "watched", "why_killed",
+        "ready", "replacement", "sent", "seqs", "session", "slot", "start", "starting", "tokens", "watched",
+        "why_killed",
     )  # fmt: skip
 
     def __init__(self, slot: int, channel: socket.socket) -> None:
@@ -109,6 +110,7 @@ class _Worker:
         self.process: Any = None  # multiprocessing's Process, where it started this one
         self.session: _zygote.Session | None = None  # the fork server's, where it started this one
         self.starting = False  # multiprocessing is starting its process, in a thread of its own
+        self.replacement = False  # started after a death, not with the pool
         self.sent: collections.deque[Job] = collections.deque()  # unanswered, in channel order
         self.out: collections.deque[memoryview] = collections.deque()  # what the socket did not take yet
         self.inbuf = bytearray(READ)  # what it wrote: frames in [start, end)
@@ -197,7 +199,7 @@ class Procs:
             self._thread.start()
         self._settle_unsent()
 
-    def _spawn(self, slot: int) -> None:
+    def _spawn(self, slot: int, replacement: bool = False) -> None:
         """A new worker in ``slot`` (the lock held). A failure to start it counts as a
         worker that died as it started."""
         ours, theirs_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -206,6 +208,7 @@ class Procs:
             ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCKBUF)
         ours.setblocking(False)
         w = _Worker(slot, ours)
+        w.replacement = replacement
         self._workers[slot] = w
         payloads = self._payloads()
         if self._lazy:  # they come with their loader's first task instead
@@ -351,14 +354,14 @@ class Procs:
         return [w for w in self._workers if w is not None]
 
     def _least_busy(self) -> _Worker | None:
-        """The live worker with the fewest unanswered jobs, one that is up first."""
+        """The live worker with the fewest unanswered jobs; a replacement still starting last."""
         workers, n = self._workers, self.n
         best = None
         for k in range(n):
             w = workers[(self._turn + k) % n]
             if w is None or w.code is not None or w.why_killed:
                 continue
-            if best is None or (not w.ready, len(w.sent)) < (not best.ready, len(best.sent)):
+            if best is None or (_waits(w), len(w.sent)) < (_waits(best), len(best.sent)):
                 best = w
         self._turn += 1
         return best
@@ -366,11 +369,12 @@ class Procs:
     def _takes(self, w: _Worker, job: Job) -> bool:
         """May ``job`` go to ``w`` now? A job ``alone`` (a shard: it holds its worker for
         the epoch) goes only to a worker with nothing else, and nothing goes behind it.
-        A worker not up yet takes jobs only while no other is up: a replacement whose start
-        is slow must not hold work that a live worker could do."""
+        A replacement not up yet takes jobs only while no other worker is up: its start
+        may be slow, and must not hold work that a live worker could do. (The pool's first
+        workers take jobs as they start: each begins the moment it is up.)"""
         if w.code is not None or w.why_killed:
             return False
-        if not w.ready and any(o is not w and o.ready and o.code is None and not o.why_killed for o in self._live()):
+        if w.replacement and not w.ready and any(o.ready and o.code is None and not o.why_killed for o in self._live()):
             return False
         if w.sent:
             return not job.alone and not w.sent[0].alone and len(w.sent) < self.depth
@@ -720,7 +724,7 @@ class Procs:
             replace = fatal is None and not self.closed and not exiting and self.fatal is None
             if replace:
                 self.restarts += 1
-                self._spawn(w.slot)
+                self._spawn(w.slot, replacement=True)
             else:
                 self._workers[w.slot] = w  # stays, dead: the slot has no worker now
                 self._snapshot_pids()
@@ -993,6 +997,11 @@ class Procs:
         """A forked child's copy: forget the parent's workers without touching them."""
         self.closed = True
         _live.discard(self)
+
+
+def _waits(w: _Worker) -> bool:
+    """Is ``w`` a replacement that is not up yet?"""
+    return w.replacement and not w.ready
 
 
 def _dead(w: _Worker) -> bool:
