@@ -143,7 +143,11 @@ class Batcher(LoaderBase, Generic[Batch]):
         max_retries: resubmissions of a task whose worker died holding it. A micro-batch
             of several requests is not resubmitted whole: its requests run again one a
             task, each with this many retries of its own.
-        mp_context, pool, executor, trace: as for :class:`~aioloader.DataLoader`.
+        mp_context: start method name or context (default ``forkserver``, else ``spawn``).
+        pool: a :class:`~aioloader.WorkerPool` shared with other loaders (never closed
+            by the Batcher).
+        executor: any ``concurrent.futures.Executor`` (never shut down by the Batcher).
+        trace: write a Chrome trace-event file here when the Batcher closes.
 
     Start it with ``async with batcher:`` (on your event loop) or ``with batcher:`` (on a
     private loop, for threaded servers and ``submit_sync``); the first ``submit`` also
