@@ -353,6 +353,10 @@ async def test_a_request_that_kills_its_worker_fails_alone(batch_size: int, n: i
     assert err.indices == [poison] and err.exitcode == 3 and err.attempts == 3  # type: ignore[attr-defined]
     assert str(err).startswith(f"request {poison} (run alone after its micro-batch "), err
     assert "was lost to a dying worker 3 times (exit code 3); max_retries=2" in str(err), err
+    # A Batcher's error names no DataLoader (torch's words are for the DataLoader face),
+    # and stays one line (a service may put it in an answer)
+    assert "DataLoader" not in str(err) and "\n" not in str(err), err
+    assert "; the last worker to die was pid " in str(err), err
     assert st.isolated == 1 and st.failed == 1 and st.completed == n - 1
     assert batch_size in st.batch_sizes  # the poison did share a micro-batch
 

@@ -87,6 +87,9 @@ class Dispatcher:
     max_retries: int
     is_closed: Callable[[], bool]
     alone: bool = False  # each task holds its worker for long (shards): one a worker, nothing behind it
+    # The face whose work this runs ("DataLoader", "StreamLoader", "Batcher"): only a
+    # DataLoader's crash message adds torch's words for a dead worker.
+    kind: str = "DataLoader"
     stopping: bool = False
     _running: dict[int, Job] = field(default_factory=dict)
     # task id -> its own clock (see run's ``owing``), for the tasks that bring one
@@ -188,8 +191,8 @@ class Dispatcher:
                         code, indices = lost.code, named.indices
                         raise WorkerCrashedError(
                             f"{_name(named)} was lost to a dying worker "
-                            f"{attempts} times (exit code {describe_exit(code)}); max_retries={self.max_retries}. "
-                            + torch_crash_words(lost.pid, code),
+                            f"{attempts} times (exit code {describe_exit(code)}); max_retries={self.max_retries}"
+                            + self._crash_words(lost.pid, code),
                             indices=_as_list(indices),
                             exitcode=code,
                             attempts=attempts,
@@ -217,6 +220,13 @@ class Dispatcher:
                 continue
             self.recorder.finished(res.pid, res.start_ns, res.end_ns, submit_ns, time.monotonic_ns(), named)
             return res
+
+    def _crash_words(self, pid: int | None, code: int | None) -> str:
+        """The end of a crash message: torch's words for a DataLoader (tools match on
+        them), the dead worker's pid for the other faces."""
+        if self.kind == "DataLoader":
+            return ". " + torch_crash_words(pid, code)
+        return "" if pid is None else f"; the last worker to die was pid {pid}"
 
     def _timeout_error(self, named: Named, why: str) -> LoaderTimeout:
         return LoaderTimeout(

@@ -80,7 +80,9 @@ class Run:
         self.ready: asyncio.Queue[Any] = asyncio.Queue()
         self.units: dict[asyncio.Future[Any], Unit] = {}  # submitted and not yet taken
         self.aside: collections.deque[asyncio.Future[Any]] = collections.deque()
-        self.dispatcher = Dispatcher(cfg.pool, cfg.recorder, cfg.timeout, cfg.max_retries, cfg.is_closed)
+        self.dispatcher = Dispatcher(
+            cfg.pool, cfg.recorder, cfg.timeout, cfg.max_retries, cfg.is_closed, kind=cfg.kind
+        )
         self.fetcher = FetchStage(cfg.fetch, cfg.recorder) if cfg.fetch is not None else None
         # A source whose units are not pool tasks of their own runs them itself: an
         # iterable dataset's units are batches its long-running shard tasks send.
