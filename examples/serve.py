@@ -5,12 +5,20 @@
 
 ``POST /predict`` with an encoded image (JPEG, PNG, ...) as the body answers
 ``{"mean_rgb": [r, g, b], "server_ms": ...}``: the stand-in model is the mean of each
-channel of the image resized to 64x64. A body that does not decode answers ``400`` with
-the decoder's message, for that request alone; when ``--max-pending`` requests are
-already waiting the service answers ``503`` at once instead of queueing without bound.
-With ``--deadline-ms`` each upload must be answered within that time: one the Batcher
-estimates it would answer too late gets ``503`` at once, one that still runs late ``504``.
-``GET /health`` answers ``{"ok": true}``, ``GET /stats`` the Batcher's statistics.
+channel of the image resized to 64x64. ``GET /health`` answers ``{"ok": true}``,
+``GET /stats`` the Batcher's statistics.
+
+Every error answers ``{"error": "ClassName: first line of its message"}``, never a
+traceback (see :func:`error_answer`):
+
+* ``400``: the body does not decode (Pillow's ``OSError`` or ``ValueError``), for that
+  request alone;
+* ``503`` with ``Retry-After``: ``aioloader.Overloaded``. ``--max-pending`` requests
+  already wait, or (with ``--deadline-ms``) the Batcher estimates it would answer too late;
+* ``504``: ``aioloader.DeadlineExceeded`` (the deadline passed) or
+  ``aioloader.LoaderTimeout`` (``fn`` overran the Batcher's ``timeout``);
+* ``500``: any other aioloader error (``WorkerCrashedError``: the upload kept killing its
+  worker) or any other exception; the server logs the latter with its traceback.
 
 The whole of the batching is the handler's one line, ``await batcher.submit(body)``: the
 Batcher groups concurrent uploads into micro-batches (``--batch-size``, or whatever has
@@ -32,6 +40,8 @@ import contextlib
 import gc
 import io
 import json
+import logging
+import math
 import signal
 import sys
 import time
@@ -55,6 +65,30 @@ def preprocess(body: bytes) -> np.ndarray:
 
 
 # --------------------------------------------------------------- in the server
+log = logging.getLogger("serve")
+
+
+def error_answer(exc: Exception) -> tuple[int, dict[str, str], str]:
+    """The HTTP status, headers and message for an exception of ``batcher.submit()``."""
+    if isinstance(exc, aioloader.Overloaded):  # refused at once: try again later
+        return 503, {"Retry-After": str(max(1, math.ceil(exc.retry_after)))}, one_line(exc)
+    if isinstance(exc, (aioloader.DeadlineExceeded, aioloader.LoaderTimeout)):
+        return 504, {}, one_line(exc)
+    if isinstance(exc, aioloader.AioLoaderError):  # WorkerCrashedError, RemoteError, ...
+        return 500, {}, one_line(exc)
+    if isinstance(exc, (OSError, ValueError)):  # preprocess() refused this upload
+        return 400, {}, one_line(exc)
+    log.error("unexpected error in a request", exc_info=exc)  # the traceback stays here
+    return 500, {}, one_line(exc)
+
+
+def one_line(exc: BaseException, limit: int = 200) -> str:
+    """``ClassName: first line of the message``, at most ``limit`` characters."""
+    lines = str(exc).strip().splitlines()
+    text = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def model(pixels: np.ndarray) -> list[float]:
     """The stand-in model: the mean of each channel."""
     return [float(v) for v in pixels.mean(axis=(0, 1))]
@@ -71,6 +105,7 @@ class Service:
         self.failed = 0
         self.overloaded = 0
         self.late = 0
+        self.errors = 0  # answered 500
         self.done = asyncio.Event()
 
     def _count(self) -> None:
@@ -83,18 +118,23 @@ class Service:
         body = await request.read()
         try:
             pixels = await self.batcher.submit(body, deadline=self.deadline)
-        except aioloader.Overloaded:
-            self.overloaded += 1
-            return web.json_response({"error": "overloaded, try again"}, status=503)
-        except aioloader.DeadlineExceeded:
-            self.late += 1
-            return web.json_response({"error": "not answered within the deadline"}, status=504)
-        except (OSError, ValueError) as exc:  # Pillow's verdict on this upload
-            self.failed += 1
-            self._count()
-            return web.json_response({"error": f"{type(exc).__name__}: {exc}"}, status=400)
+        except Exception as exc:
+            status, headers, message = error_answer(exc)
+            self._count_error(status)
+            return web.json_response({"error": message}, status=status, headers=headers)
         self._count()
         return web.json_response({"mean_rgb": model(pixels), "server_ms": (time.perf_counter() - t0) * 1e3})
+
+    def _count_error(self, status: int) -> None:
+        if status == 400:  # a verdict on the upload: answered
+            self.failed += 1
+            self._count()
+        elif status == 503:
+            self.overloaded += 1
+        elif status == 504:
+            self.late += 1
+        else:
+            self.errors += 1
 
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"ok": True})
@@ -169,6 +209,7 @@ async def serve(args: argparse.Namespace) -> dict[str, Any]:
             "failed": service.failed,
             "overloaded": service.overloaded,
             "late": service.late,
+            "errors": service.errors,
             **_stats(batcher.stats()),
         }
     return summary

@@ -4,10 +4,12 @@
     python examples/serve_load.py --port 8080 --requests 2000 --concurrency 32
 
 The same endpoints and answers as ``serve.py``: ``POST /predict`` with an encoded image
-answers ``{"mean_rgb": [r, g, b], "server_ms": ...}``, a body that does not decode
-``400``, overload ``503``, a missed ``--deadline-ms`` ``504``; ``GET /health`` and
-``GET /stats`` as there. The Batcher lives in the app's lifespan: it starts before the
-first request and closes after the last.
+answers ``{"mean_rgb": [r, g, b], "server_ms": ...}``; ``GET /health`` and ``GET /stats``
+as there. Errors answer as there too (:func:`error_answer`), with
+``{"error": "ClassName: first line"}`` and never a traceback: a body that does not decode
+``400``, ``Overloaded`` ``503`` with ``Retry-After``, ``DeadlineExceeded`` and
+``LoaderTimeout`` ``504``, any other error ``500``. The Batcher lives in the app's
+lifespan: it starts before the first request and closes after the last.
 
 One line is particular to ASGI: ``app.add_middleware(CancelOnDisconnect)``. uvicorn
 never cancels a handler whose client hung up; without the middleware, its upload would
@@ -24,6 +26,8 @@ import argparse
 import gc
 import io
 import json
+import logging
+import math
 import socket
 import sys
 import time
@@ -53,9 +57,36 @@ def preprocess(body: bytes) -> np.ndarray:
 
 
 # --------------------------------------------------------------- in the server
+log = logging.getLogger("serve_fastapi")
+
+
+def error_answer(exc: Exception) -> tuple[int, dict[str, str], str]:
+    """The HTTP status, headers and message for an exception of ``batcher.submit()``."""
+    if isinstance(exc, aioloader.Overloaded):  # refused at once: try again later
+        return 503, {"Retry-After": str(max(1, math.ceil(exc.retry_after)))}, one_line(exc)
+    if isinstance(exc, (aioloader.DeadlineExceeded, aioloader.LoaderTimeout)):
+        return 504, {}, one_line(exc)
+    if isinstance(exc, aioloader.AioLoaderError):  # WorkerCrashedError, RemoteError, ...
+        return 500, {}, one_line(exc)
+    if isinstance(exc, (OSError, ValueError)):  # preprocess() refused this upload
+        return 400, {}, one_line(exc)
+    log.error("unexpected error in a request", exc_info=exc)  # the traceback stays here
+    return 500, {}, one_line(exc)
+
+
+def one_line(exc: BaseException, limit: int = 200) -> str:
+    """``ClassName: first line of the message``, at most ``limit`` characters."""
+    lines = str(exc).strip().splitlines()
+    text = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def model(pixels: np.ndarray) -> list[float]:
     """The stand-in model: the mean of each channel."""
     return [float(v) for v in pixels.mean(axis=(0, 1))]
+
+
+COUNTED = {400: "failed", 503: "overloaded", 504: "late"}  # the summary's counts; 500: "errors"
 
 
 def create_app(
@@ -94,16 +125,12 @@ def create_app(
         batcher: aioloader.Batcher[np.ndarray] = request.app.state.batcher
         try:
             pixels = await batcher.submit(body, deadline=deadline)
-        except aioloader.Overloaded:
-            counts["overloaded"] += 1
-            return JSONResponse({"error": "overloaded, try again"}, status_code=503)
-        except aioloader.DeadlineExceeded:
-            counts["late"] += 1
-            return JSONResponse({"error": "not answered within the deadline"}, status_code=504)
-        except (OSError, ValueError) as exc:  # Pillow's verdict on this upload
-            counts["failed"] += 1
-            counts["answered"] += 1
-            return JSONResponse({"error": f"{type(exc).__name__}: {exc}"}, status_code=400)
+        except Exception as exc:
+            status, headers, message = error_answer(exc)
+            counts[COUNTED.get(status, "errors")] += 1
+            if status == 400:  # a verdict on the upload: answered
+                counts["answered"] += 1
+            return JSONResponse({"error": message}, status_code=status, headers=headers)
         counts["answered"] += 1
         return JSONResponse({"mean_rgb": model(pixels), "server_ms": (time.perf_counter() - t0) * 1e3})
 

@@ -7,8 +7,10 @@ loopback, either closed-loop (``--concurrency`` requests outstanding) or open-lo
 
 Sends random-noise JPEGs, solid-colour PNGs whose answer is known exactly and checked,
 and ``--invalid`` bodies that are not images and must get 400. A 503 (the service's
-admission control) is counted, not wrong. Prints the latency percentiles and throughput
-and a final JSON line; exits 1 if any answer was wrong. Every request has a timeout.
+admission control) or a 504 (a deadline missed) is counted, not wrong, if it says why in
+JSON; a 503 must also carry ``Retry-After`` in whole seconds, at least 1. Any body with a
+traceback in it is wrong. Prints the latency percentiles and throughput and a final JSON
+line; exits 1 if any answer was wrong. Every request has a timeout.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class Results:
     latencies: list[float] = field(default_factory=list)
     wrong: list[str] = field(default_factory=list)
     statuses: Counter[int] = field(default_factory=Counter)
+    retry_after: Counter[str] = field(default_factory=Counter)  # the 503s' Retry-After values
 
 
 def make_uploads(n_distinct: int, size: int, invalid: int, seed: int = 0) -> list[Upload]:
@@ -63,16 +66,31 @@ def make_uploads(n_distinct: int, size: int, invalid: int, seed: int = 0) -> lis
 async def send(session: aiohttp.ClientSession, url: str, upload: Upload, results: Results) -> None:
     t0 = time.perf_counter()
     async with session.post(url, data=upload.body) as resp:
-        payload = await resp.json()
+        text = await resp.text()
         status = resp.status
+        retry_after = resp.headers.get("Retry-After")
     results.latencies.append(time.perf_counter() - t0)
     results.statuses[status] += 1
+    if "Traceback" in text:
+        results.wrong.append(f"a traceback in an answer {status}: {text[:200]}")
+        return
+    try:
+        payload = json.loads(text)
+    except ValueError:
+        results.wrong.append(f"answered {status} with a body that is not JSON: {text[:200]}")
+        return
+    if status == 503:
+        results.retry_after[str(retry_after)] += 1
+        if retry_after is None or not retry_after.isdigit() or int(retry_after) < 1:
+            results.wrong.append(f"503 with Retry-After {retry_after!r}: {payload}")
     check(upload, status, payload, results)
 
 
 def check(upload: Upload, status: int, payload: dict[str, Any], results: Results) -> None:
-    if status in (503, 504):
-        return  # admission control said "busy", or the deadline passed: answers, not wrong ones
+    if status in (503, 504):  # admission control said "busy", or the deadline passed
+        if "error" not in payload:  # answers, not wrong ones, if they say why
+            results.wrong.append(f"answered {status} without an error message: {payload}")
+        return
     if not upload.valid:
         if status != 400 or "error" not in payload:
             results.wrong.append(f"invalid body answered {status} {payload}")
@@ -129,6 +147,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "p50_ms": round(float(np.percentile(lat, 50)), 2) if len(lat) else None,
         "p99_ms": round(float(np.percentile(lat, 99)), 2) if len(lat) else None,
         "statuses": {str(k): v for k, v in sorted(results.statuses.items())},
+        "retry_after": dict(sorted(results.retry_after.items())),
         "wrong": results.wrong[:10],
     }
 

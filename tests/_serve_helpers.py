@@ -157,3 +157,52 @@ class Gated:
 def lock_for_minus_one(x: int) -> Any:
     """``x``, but a lock (a result that cannot be pickled) for ``-1``."""
     return threading.Lock() if x == -1 else x
+
+
+class Unpicklable(Exception):
+    """An exception that cannot travel back from a worker (it holds a lock)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.lock = threading.Lock()
+
+
+class Misbehaving:
+    """An example service's ``preprocess`` with a failure for each of its error answers,
+    for worker processes. By body: ``b"die"`` ends its worker (``os._exit(3)``);
+    ``b"hang"`` never returns; ``b"hold"`` waits for the file ``gate`` (at most
+    ``limit`` seconds), then answers like a black image; ``b"value"`` raises
+    ``ValueError``; ``b"bug"`` raises ``KeyError`` (not the upload's fault);
+    ``b"unpicklable"`` raises :class:`Unpicklable`. Any other body is decoded as an image
+    (RGB, 0..1): Pillow raises for one that is not."""
+
+    def __init__(self, gate: str, limit: float = 60.0) -> None:
+        self.gate = gate
+        self.limit = limit
+
+    def __call__(self, body: bytes) -> Any:
+        import io
+        import time
+
+        import numpy as np
+        from PIL import Image
+
+        if body == b"die":
+            os._exit(3)
+        if body == b"hang":
+            threading.Event().wait()
+        if body == b"hold":
+            deadline = time.monotonic() + self.limit
+            while not os.path.exists(self.gate):  # (a worker has no event to wait on)
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{self.gate} never appeared")
+                time.sleep(0.01)
+            return np.zeros((8, 8, 3), dtype=np.float32)
+        if body == b"value":
+            raise ValueError("this upload is not acceptable\nsecond line, not for the client")
+        if body == b"bug":
+            raise KeyError("a bug in the service")
+        if body == b"unpicklable":
+            raise Unpicklable("cannot travel")
+        with Image.open(io.BytesIO(body)) as im:
+            return np.asarray(im.convert("RGB"), dtype=np.float32) / 255.0
