@@ -69,17 +69,19 @@ log = logging.getLogger("serve")
 
 
 def error_answer(exc: Exception) -> tuple[int, dict[str, str], str]:
-    """The HTTP status, headers and message for an exception of ``batcher.submit()``."""
-    if isinstance(exc, aioloader.Overloaded):  # refused at once: try again later
-        return 503, {"Retry-After": str(max(1, math.ceil(exc.retry_after)))}, one_line(exc)
+    """HTTP status, headers and message for an error of ``batcher.submit()``."""
+    message = one_line(exc)
+    if isinstance(exc, aioloader.Overloaded):  # busy: try again later
+        seconds = max(1, math.ceil(exc.retry_after))
+        return 503, {"Retry-After": str(seconds)}, message
     if isinstance(exc, (aioloader.DeadlineExceeded, aioloader.LoaderTimeout)):
-        return 504, {}, one_line(exc)
-    if isinstance(exc, aioloader.AioLoaderError):  # WorkerCrashedError, RemoteError, ...
-        return 500, {}, one_line(exc)
-    if isinstance(exc, (OSError, ValueError)):  # preprocess() refused this upload
-        return 400, {}, one_line(exc)
-    log.error("unexpected error in a request", exc_info=exc)  # the traceback stays here
-    return 500, {}, one_line(exc)
+        return 504, {}, message
+    if isinstance(exc, aioloader.AioLoaderError):  # WorkerCrashedError, ...
+        return 500, {}, message
+    if isinstance(exc, (OSError, ValueError)):  # preprocess() refused the upload
+        return 400, {}, message
+    log.error("request failed", exc_info=exc)  # the traceback stays here
+    return 500, {}, message
 
 
 def one_line(exc: BaseException, limit: int = 200) -> str:
@@ -121,9 +123,11 @@ class Service:
         except Exception as exc:
             status, headers, message = error_answer(exc)
             self._count_error(status)
-            return web.json_response({"error": message}, status=status, headers=headers)
+            answer = {"error": message}
+            return web.json_response(answer, status=status, headers=headers)
         self._count()
-        return web.json_response({"mean_rgb": model(pixels), "server_ms": (time.perf_counter() - t0) * 1e3})
+        ms = (time.perf_counter() - t0) * 1e3
+        return web.json_response({"mean_rgb": model(pixels), "server_ms": ms})
 
     def _count_error(self, status: int) -> None:
         if status == 400:  # a verdict on the upload: answered

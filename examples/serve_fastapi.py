@@ -61,17 +61,19 @@ log = logging.getLogger("serve_fastapi")
 
 
 def error_answer(exc: Exception) -> tuple[int, dict[str, str], str]:
-    """The HTTP status, headers and message for an exception of ``batcher.submit()``."""
-    if isinstance(exc, aioloader.Overloaded):  # refused at once: try again later
-        return 503, {"Retry-After": str(max(1, math.ceil(exc.retry_after)))}, one_line(exc)
+    """HTTP status, headers and message for an error of ``batcher.submit()``."""
+    message = one_line(exc)
+    if isinstance(exc, aioloader.Overloaded):  # busy: try again later
+        seconds = max(1, math.ceil(exc.retry_after))
+        return 503, {"Retry-After": str(seconds)}, message
     if isinstance(exc, (aioloader.DeadlineExceeded, aioloader.LoaderTimeout)):
-        return 504, {}, one_line(exc)
-    if isinstance(exc, aioloader.AioLoaderError):  # WorkerCrashedError, RemoteError, ...
-        return 500, {}, one_line(exc)
-    if isinstance(exc, (OSError, ValueError)):  # preprocess() refused this upload
-        return 400, {}, one_line(exc)
-    log.error("unexpected error in a request", exc_info=exc)  # the traceback stays here
-    return 500, {}, one_line(exc)
+        return 504, {}, message
+    if isinstance(exc, aioloader.AioLoaderError):  # WorkerCrashedError, ...
+        return 500, {}, message
+    if isinstance(exc, (OSError, ValueError)):  # preprocess() refused the upload
+        return 400, {}, message
+    log.error("request failed", exc_info=exc)  # the traceback stays here
+    return 500, {}, message
 
 
 def one_line(exc: BaseException, limit: int = 200) -> str:

@@ -13,8 +13,10 @@ import asyncio
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
+import textwrap
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -94,6 +96,19 @@ def _serve_under_load(
     assert server.returncode == 0, err
     assert "Traceback" not in err, err
     return _last_json(load.stdout, "load"), _last_json(out, "server")
+
+
+def test_the_serving_page_shows_the_examples_code() -> None:
+    """docs/serving.md shows the examples' error mapping and aiohttp handler: what it
+    shows is what the examples run."""
+    page = (ROOT / "docs" / "serving.md").read_text()
+    blocks = re.findall(r"```\{\.python \.illustration\}\n(.*?)```", page, re.S)
+    error_answer = [b for b in blocks if b.startswith("def error_answer(")]
+    handler = [b for b in blocks if b.startswith("async def predict(self")]
+    assert len(error_answer) == 1 and len(handler) == 1, blocks
+    for name in ("serve.py", "serve_fastapi.py"):
+        assert error_answer[0] in (EXAMPLES / name).read_text(), name
+    assert textwrap.indent(handler[0], "    ") in (EXAMPLES / "serve.py").read_text()
 
 
 def test_serve_and_load_over_loopback() -> None:
