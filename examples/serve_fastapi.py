@@ -61,7 +61,7 @@ log = logging.getLogger("serve_fastapi")
 
 
 def error_answer(exc: Exception) -> tuple[int, dict[str, str], str]:
-    """HTTP status, headers and message for an error of ``batcher.submit()``."""
+    """HTTP status, headers and message for an error of batcher.submit()."""
     message = one_line(exc)
     if isinstance(exc, aioloader.Overloaded):  # busy: try again later
         seconds = max(1, math.ceil(exc.retry_after))
@@ -70,7 +70,7 @@ def error_answer(exc: Exception) -> tuple[int, dict[str, str], str]:
         return 504, {}, message
     if isinstance(exc, aioloader.AioLoaderError):  # WorkerCrashedError, ...
         return 500, {}, message
-    if isinstance(exc, (OSError, ValueError)):  # preprocess() refused the upload
+    if isinstance(exc, (OSError, ValueError)):  # preprocess() refused it
         return 400, {}, message
     log.error("request failed", exc_info=exc)  # the traceback stays here
     return 500, {}, message

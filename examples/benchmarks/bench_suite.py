@@ -148,12 +148,12 @@ LOADER_KWARGS: dict[str, dict[str, Any]] = {
 # again), instead of the one it forks from a consumer with one thread.
 LOADER_ENV: dict[str, dict[str, str]] = {"aioloader-spawned": {"AIOLOADER_FORKSERVER": "spawn"}}
 WORKERS = 2
-TICK_LABELS = {
-    "aioloader-noseed": "aioloader\nseed_samples\n=False",
-    "aioloader-noprefetch": "aioloader\nprefetch_next_\nepoch=False",
-    "aioloader-p16": "aioloader\nprefetch=16",
-    "aioloader-auto": "aioloader\n\"auto\"",
-    "aioloader-spawned": "aioloader\nspawned\nforkserver",
+BAR_LABELS = {  # the chart's names of the aioloader variants
+    "aioloader-noseed": "aioloader,\nseed_samples=False",
+    "aioloader-noprefetch": "aioloader, prefetch_\nnext_epoch=False",
+    "aioloader-p16": "aioloader,\nprefetch=16",
+    "aioloader-auto": 'aioloader, "auto"',
+    "aioloader-spawned": "aioloader, spawned\nforkserver",
 }
 
 # --------------------------------------------------------------------------- child side
@@ -744,7 +744,7 @@ def draw_png(results: dict[str, Any], path: Path) -> None:
         ("tiny", "Tiny workload: batches/s"),
         ("dispatch", "Dispatch ceiling: batches/s"),
         ("iterable", "Iterable dataset: batches/s"),
-        ("hfmap", "HF datasets, map-style: batches/s"),
+        ("hfmap", "HF datasets, map-style:\nbatches/s"),
     ):
         if name in wl:
             rows = wl[name]["rows"]
@@ -753,7 +753,7 @@ def draw_png(results: dict[str, Any], path: Path) -> None:
         rows = wl["cold"]["rows"]
         panels.append(
             (
-                "Cold start, dataset module imports torch:\nconstruction to first batch, s (log)",
+                "Cold start, dataset imports\ntorch: construction to first\nbatch, s (log)",
                 {k: v["cold_start_s"] for k, v in rows.items()},
                 True,
             )
@@ -762,39 +762,59 @@ def draw_png(results: dict[str, Any], path: Path) -> None:
         rows = wl["hfstream"]["rows"]
         panels.append(
             (
-                "HF streaming, one epoch\nincluding start, s (lower is better)",
+                "HF streaming, one epoch\nincluding start, s\n(lower is better)",
                 {k: v["epoch_with_start_s"] for k, v in rows.items()},
                 False,
             )
         )
     if not panels:
         return
-    ncols = 2 if len(panels) == 4 else min(3, len(panels))
+    # Drawn for the docs' content column (about 690 px wide at a 1280 px window): 9 inches
+    # shown 690 px wide puts 11 pt text at about 11.7 px. Horizontal bars, so that the
+    # loaders' names never overlap; each bar carries its value, so no value axis. A
+    # title's lines stay within about 30 characters, the width of its panel.
+    font = 11
+    ncols = 1 if len(panels) == 1 else 2
     nrows = -(-len(panels) // ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(5.0 * ncols, 3.9 * nrows), squeeze=False)
+    most = max(len(values) for _, values, _ in panels)
+    fig, axes = plt.subplots(
+        nrows, ncols, figsize=(9.0, nrows * (0.36 * most + 1.0) + 0.4), squeeze=False
+    )
     for ax, (title, values, log) in zip(axes.flat, panels, strict=False):
         names = list(values)
         vals = [values[n] for n in names]
-        bars = ax.bar(range(len(names)), vals, color=[colors.get(n, "#555") for n in names])
-        ax.set_xticks(range(len(names)))
-        ax.set_xticklabels([TICK_LABELS.get(n, n.replace("-", "-\n")) for n in names], fontsize=8)
-        ax.set_title(title, fontsize=10)
+        bars = ax.barh(range(len(names)), vals, color=[colors.get(n, "#555") for n in names])
+        ax.set_yticks(range(len(names)))
+        ax.set_yticklabels([BAR_LABELS.get(n, n) for n in names], fontsize=font)
+        ax.invert_yaxis()  # the first loader on top
+        ax.set_title(title, fontsize=font + 1)
         if log:
-            ax.set_yscale("log")
+            ax.set_xscale("log")
+        ax.set_xticks([])
+        ax.minorticks_off()
+        for side in ("top", "right", "bottom"):
+            ax.spines[side].set_visible(False)
         for bar, v in zip(bars, vals, strict=True):
             label = f"{v:,.0f}" if v >= 100 else (f"{v:.1f}" if v >= 1 else f"{v:.2f}")
-            ax.annotate(label, (bar.get_x() + bar.get_width() / 2, v), ha="center", va="bottom", fontsize=8)
-        ax.margins(y=0.15)
+            ax.annotate(
+                label, (v, bar.get_y() + bar.get_height() / 2), xytext=(3, 0),
+                textcoords="offset points", ha="left", va="center", fontsize=font,
+            )  # fmt: skip
+        lo, hi = min(vals), max(vals)
+        if log:
+            ax.set_xlim(lo / 2, hi * 12)  # room for the labels on a log axis
+        else:
+            ax.set_xlim(0, hi * 1.3)
     for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
     fig.suptitle(
         f"aioloader vs torch, Grain and SPDL, {WORKERS} workers, {results['machine']['cpus']} cores "
         f"(medians; {results['mode']} mode)",
-        fontsize=11,
+        fontsize=font + 1,
     )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=150)  # sharp on high-density screens too
     plt.close(fig)
 
 
