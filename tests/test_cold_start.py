@@ -427,7 +427,8 @@ def test_only_pipes_that_feed_a_child_are_let_go() -> None:
 # Train and validation loaders, and a fork server that dies: one server serves every
 # pool of the process, and it is a part that can be replaced.
 SHARED = '''
-import asyncio, json, os, signal, sys, threading, time
+import asyncio, faulthandler, json, os, signal, sys, threading, time
+faulthandler.dump_traceback_later(100, exit=True)  # a hang shows its stacks, then ends
 import probe
 import aioloader
 from aioloader._pool import zygote as _forkserver
