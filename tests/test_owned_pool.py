@@ -8,8 +8,6 @@ import asyncio
 import concurrent.futures as cf
 import os
 import signal
-import subprocess
-import sys
 import threading
 from collections import Counter
 from pathlib import Path
@@ -261,66 +259,3 @@ def test_workers_killed_from_outside_as_they_start_are_reported_so(
     assert "killed by SIGKILL" in text and "-9" in text and "outside" in text
     assert "import the main module" not in text  # not the user's code's fault
     assert info.value.exitcode == -9
-
-
-# A replacement started by multiprocessing (spawn) whose start takes long: it reads the
-# loader's payload (over a pipe's size) only after it imported the script, which hangs
-# here while the block file exists. The survivor and the loop go on meanwhile.
-SLOW_START = '''
-import asyncio, os, signal, sys, time
-BLOCK = sys.argv[2]
-if __name__ == "__mp_main__":
-    while os.path.exists(BLOCK):  # a slow import (torch, say), held open by the test
-        time.sleep(0.01)
-import aioloader
-
-class Big:
-    def __init__(self):
-        self.blob = b"x" * (1 << 20)  # pickled with the payload: more than a pipe holds
-
-    def __len__(self):
-        return 32
-
-    def __getitem__(self, i):
-        return i
-
-def wait(cond, what):
-    deadline = time.monotonic() + 60
-    while not cond():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.005)
-
-async def collect(loader):
-    return [b.tolist() async for b in loader]
-
-def epoch(loader):
-    return asyncio.run(collect(loader)) if sys.argv[1] == "async-for" else [b.tolist() for b in loader]
-
-if __name__ == "__main__":
-    loader = aioloader.DataLoader(Big(), 4, num_workers=2, multiprocessing_context="spawn")
-    first = epoch(loader)
-    pids = loader.worker_pids()
-    open(BLOCK, "w").close()
-    os.kill(pids[0], signal.SIGKILL)
-    wait(lambda: loader.worker_pids() == pids[1:], "the death to be seen")
-    second = epoch(loader)  # the survivor serves it while the replacement is stuck starting
-    stuck = loader.worker_pids() == pids[1:]
-    os.unlink(BLOCK)
-    wait(lambda: len(loader.worker_pids()) == 2, "the replacement")
-    third = epoch(loader)
-    loader.close()
-    print(first == second == third == [[4 * k + j for j in range(4)] for k in range(8)], stuck)
-'''
-
-
-@pytest.mark.parametrize("face", ["for", "async-for"])
-def test_a_slow_replacement_start_stalls_neither_the_survivors_nor_the_loop(tmp_path: Path, face: str) -> None:
-    script = tmp_path / "slow_start.py"
-    script.write_text(SLOW_START)
-    block = tmp_path / "block"
-    proc = subprocess.run(
-        [sys.executable, str(script), face, str(block)], capture_output=True, text=True, timeout=120, check=False,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert proc.stdout.split() == ["True", "True"], proc.stderr[-4000:]

@@ -232,16 +232,9 @@ class Procs:
                     name=f"aioloader-worker-{slot}",
                     daemon=True,
                 )
-                # Starting it can take seconds (spawn writes the payload into a pipe that
-                # the child reads once it has imported the script): not under the lock,
-                # not on the I/O thread. Jobs wait in its channel meanwhile.
-                starter = threading.Thread(
-                    target=self._start_process, args=(w, process, theirs_end), name="aioloader-start", daemon=True
-                )
-                w.starting = True
-                self._starters.add(starter)
-                starter.start()
-                theirs = None
+                process.start()
+                w.process, w.pid = process, process.pid
+                self._by_pid[w.pid] = w
         except Exception as exc:
             w.starting = False
             if theirs is not None:
@@ -255,34 +248,6 @@ class Procs:
                     theirs.close()
         self._register(w)
         self._flush_pending(w)
-
-    def _start_process(self, w: _Worker, process: Any, theirs: socket.socket) -> None:
-        """Start a worker's process (in a thread of its own; see :meth:`_spawn`)."""
-        failure: Exception | None = None
-        try:
-            process.start()
-        except Exception as exc:
-            failure = exc
-        try:
-            with self._lock:
-                w.starting = False
-                if failure is None:
-                    w.process, w.pid = process, process.pid
-                    if w.code is not None or w.kill_asked or self._wake_r < 0:
-                        with contextlib.suppress(ValueError, OSError):
-                            process.kill()  # the pool gave up on it meanwhile
-                    if w.code is None and self._wake_r >= 0:
-                        self._by_pid[w.pid] = w
-                        self._sel.register(process.sentinel, selectors.EVENT_READ, ("sentinel", w))
-                        self._snapshot_pids()
-        finally:
-            with contextlib.suppress(OSError):
-                theirs.close()
-            self._starters.discard(threading.current_thread())
-        if failure is not None:
-            self._died(w, None, failure)  # as a worker that died as it started
-        elif w.code is not None:
-            process.join(5.0)
 
     def _live_session(self) -> _zygote.Session | None:
         """The pool's session with the fork server; a new one if the server died (its
